@@ -1,0 +1,156 @@
+"""Typed, frozen model configs. Modules receive these, never dictionaries.
+
+A model is a stack of layers given by `ModelConfig.pattern`, one letter per layer, repeated cyclically to
+`num_layers`: "R" a recurrent mixer of the delta-rule family (`RecurrentConfig`), "A" global softmax attention,
+"W" sliding-window softmax attention (`AttentionConfig`). "RRRA" is the 3:1 hybrid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+DECAYS = ("none", "head", "channel")
+BETAS = ("none", "head", "channel")
+OUTPUT_GATES = ("none", "silu", "sigmoid")
+QK_NORMS = ("none", "l2")
+LAYER_KINDS = {"R": "recurrent", "A": "attention", "W": "sliding_window"}
+
+
+def _choice(name: str, value, allowed) -> None:
+  if value not in allowed:
+    raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+
+
+def _positive(name: str, value) -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentConfig:
+  """The delta-rule mixer family. Baselines are switch settings (see `PRESETS`).
+
+  decay: "none" (DeltaNet / linear attention), "head" (Gated DeltaNet, Mamba2), "channel" (KDA).
+  beta: "none" (no delta rule: linear attention, Mamba2-style gated linear attention), "head" (paper, fla),
+    "channel" (the seed's reference class). allow_neg_eigval doubles beta into (0, 2).
+  """
+  num_heads: int = 4  # q/k heads H
+  num_v_heads: Optional[int] = None  # value heads HV (None = num_heads); a multiple of num_heads
+  head_dim: int = 32  # K
+  v_head_dim: Optional[int] = None  # V (None = head_dim)
+  decay: str = "head"
+  beta: str = "head"
+  allow_neg_eigval: bool = False
+  short_conv: bool = True
+  conv_size: int = 4
+  output_gate: str = "silu"
+  output_norm: bool = True
+  qk_norm: str = "l2"
+  qkv_bias: bool = False
+  out_bias: bool = False
+  decay_low_rank: int = 16  # rank of the KDA per-channel decay projection
+  dt_init: str = "fla"  # "fla": dt_bias = softplus^-1(log-uniform[1e-3, 0.1]), A ~ U(1, 16); "seed": dt_bias = 1, A ~ U(0, 16)
+  dropout: float = 0.0
+  method: str = "auto"
+  chunk_size: int = 64
+
+  def __post_init__(self):
+    _positive("num_heads", self.num_heads)
+    _positive("head_dim", self.head_dim)
+    _positive("conv_size", self.conv_size)
+    _positive("chunk_size", self.chunk_size)
+    if self.num_v_heads is not None and (self.num_v_heads < 1 or self.num_v_heads % self.num_heads):
+      raise ValueError(f"num_v_heads must be a positive multiple of num_heads={self.num_heads}, "
+                       f"got {self.num_v_heads}")
+    _choice("decay", self.decay, DECAYS)
+    _choice("beta", self.beta, BETAS)
+    _choice("output_gate", self.output_gate, OUTPUT_GATES)
+    _choice("qk_norm", self.qk_norm, QK_NORMS)
+    _choice("dt_init", self.dt_init, ("fla", "seed"))
+    _choice("method", self.method, ("auto", "recurrent", "chunk", "associative"))
+
+  @property
+  def HV(self) -> int:
+    return self.num_v_heads or self.num_heads
+
+  @property
+  def V(self) -> int:
+    return self.v_head_dim or self.head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Causal softmax attention with RoPE and GQA; Qwen3-Next's gated attention is output_gate="sigmoid"."""
+  num_heads: int = 4
+  num_kv_heads: Optional[int] = None  # None = num_heads
+  head_dim: int = 32
+  rope_theta: float = 10000.0
+  rope_fraction: float = 1.0  # partial rotary: the first fraction of each head's dims rotate
+  window: int = 0  # sliding window size for "W" layers
+  output_gate: str = "none"  # "none" | "sigmoid"
+  qk_norm: bool = False  # RMSNorm on q and k per head
+
+  def __post_init__(self):
+    _positive("num_heads", self.num_heads)
+    _positive("head_dim", self.head_dim)
+    if self.num_kv_heads is not None and (self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads):
+      raise ValueError(f"num_kv_heads must divide num_heads={self.num_heads}, got {self.num_kv_heads}")
+    if not 0.0 <= self.rope_fraction <= 1.0:
+      raise ValueError(f"rope_fraction must be in [0, 1], got {self.rope_fraction}")
+    if self.window < 0:
+      raise ValueError(f"window must be >= 0, got {self.window}")
+    _choice("output_gate", self.output_gate, ("none", "sigmoid"))
+
+  @property
+  def KVH(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 256
+  d_model: int = 128
+  num_layers: int = 4
+  pattern: str = "RRRA"
+  recurrent: RecurrentConfig = RecurrentConfig()
+  attention: AttentionConfig = AttentionConfig()
+  mlp_ratio: float = 4.0  # SwiGLU hidden = round(mlp_ratio * 2/3 * d_model) to a multiple of 8
+  tie_embeddings: bool = True
+  norm_eps: float = 1e-6
+  init_std: float = 0.02
+  dtype: str = "float32"  # compute dtype ("float32" | "bfloat16"); parameters stay float32
+
+  def __post_init__(self):
+    _positive("vocab_size", self.vocab_size)
+    _positive("d_model", self.d_model)
+    _positive("num_layers", self.num_layers)
+    if not self.pattern or set(self.pattern) - set(LAYER_KINDS):
+      raise ValueError(f"pattern must be a non-empty string of {sorted(LAYER_KINDS)} "
+                       f"(R recurrent, A attention, W sliding window), got {self.pattern!r}")
+    if "W" in self.pattern and self.attention.window < 1:
+      raise ValueError("pattern has sliding-window layers 'W' but attention.window is 0")
+    _choice("dtype", self.dtype, ("float32", "bfloat16"))
+
+  @property
+  def layer_kinds(self) -> tuple:
+    """One of "recurrent", "attention", "sliding_window" per layer."""
+    return tuple(LAYER_KINDS[self.pattern[i % len(self.pattern)]] for i in range(self.num_layers))
+
+
+# Named mixer baselines: one mechanism (switches on RecurrentConfig), no copied code.
+PRESETS = {
+    "linear_attention": dict(decay="none", beta="none", output_gate="none", output_norm=True),
+    "gla_mamba2": dict(decay="head", beta="none"),
+    "deltanet": dict(decay="none", beta="head"),
+    "gated_deltanet": dict(decay="head", beta="head"),
+    "kda": dict(decay="channel", beta="head", output_gate="sigmoid"),
+    "seed": dict(decay="head", beta="channel", short_conv=False, qkv_bias=False, out_bias=True,
+                 dt_init="seed", output_gate="silu", output_norm=True),
+}
+
+
+def recurrent_preset(name: str, **overrides) -> RecurrentConfig:
+  if name not in PRESETS:
+    raise ValueError(f"unknown recurrent preset {name!r}; choose from {sorted(PRESETS)}")
+  return RecurrentConfig(**{**PRESETS[name], **overrides})

@@ -1,0 +1,49 @@
+"""The public gated delta rule: one dispatcher (`method=`) over pure implementations.
+
+Shapes: B batch, T time, H q/k heads, HV value heads (a multiple of H), K key dim, V value dim.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from gdn.ops import checks
+from gdn.ops.associative import associative
+from gdn.ops.chunk import chunk
+from gdn.ops.recurrent import recurrent
+
+_IMPLS = {"recurrent": recurrent, "chunk": chunk, "associative": associative}
+
+
+def pick_method(dims: checks.Dims, chunk_size: int) -> str:
+  """`method="auto"`: the token scan for a handful of tokens (decode), else the chunked form."""
+  if dims.T <= 8:
+    return "recurrent"
+  return "chunk"
+
+
+def gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
+                     method="auto", chunk_size=64):
+  """The gated delta rule over a sequence. Per value head and time step, exactly:
+
+    S   <- Diag(exp(g_t)) S                        # decay first: scalar or one factor per key row
+    S   <- S + k_t (beta_t * (v_t - S^T k_t))^T    # delta rule on the decayed state (S + k_t v_t^T if beta is None)
+    o_t  = S^T (scale * q_t)                       # scale defaults to K ** -0.5
+
+  Args:
+    q, k: [B, T, H, K]. v: [B, T, HV, V]; value head i reads q/k head i // (HV // H).
+    g: None (no decay), [B, T, HV] (per head) or [B, T, HV, K] (per key channel): log of the decay.
+    beta: None (plain additive write), [B, T, HV] or [B, T, HV, V]; values in [0, 2] are legal.
+    initial_state: None or [B, HV, K, V]. segment_ids: None or [B, T] integers; the state restarts
+      from zero wherever the id differs from the previous position's.
+    method: "auto", "recurrent", "chunk" or "associative". chunk_size: tokens per chunk.
+  Returns:
+    o [B, T, HV, V] in v's dtype, and the final state [B, HV, K, V] in float32.
+  """
+  dims = checks.check_sequence(q, k, v, g, beta, initial_state, segment_ids, scale, method, chunk_size)
+  if method == "auto":
+    method = pick_method(dims, chunk_size)
+  impl = _IMPLS[method]
+  o, S = impl(q, k, v, g, beta, scale=checks.default_scale(scale, dims.K), initial_state=initial_state,
+              segment_ids=segment_ids, dims=dims, chunk_size=chunk_size)
+  return o.astype(v.dtype), S

@@ -1,0 +1,169 @@
+"""Chunk-local work of the chunkwise gated delta rule (the WY / UT form), for all chunks at once.
+
+Shapes: B batch, HV value heads, N chunks, C chunk size, K key dim, V value dim, M sub-chunks, c sub-chunk size.
+
+Inside a chunk with entering state S0, cumulative log-decay gamma_t and write vectors u_t, the recurrence
+unrolls to
+
+    u_t = beta_t * (v_t - S0^T (e^{gamma_t} k_t) - sum_{i<t} A_ti u_i),  A_ti = sum_c k_tc k_ic e^{gamma_tc - gamma_ic}
+    o_t = S0^T (e^{gamma_t} q_t) + sum_{i<=t} P_ti u_i,                  P_ti = sum_c q_tc k_ic e^{gamma_tc - gamma_ic}
+    S_C = Diag(e^{gamma_C}) S0 + sum_i (e^{gamma_C - gamma_i} k_i) u_i^T
+
+With per-head beta, U = (I + Diag(beta) A)^{-1} Diag(beta) (V - Ktil S0) = Unew - W S0: one unit-lower-triangular
+solve per chunk with K + V right-hand sides. Every exponent is a sum of the (non-positive) log-decays over the
+positions it spans, computed as such a sum and never as a difference of two long cumulative sums: a difference
+of two large cumulative sums loses all precision when a strong decay precedes weak ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+SUB_CHUNK = 16
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["q_dec", "k_dec", "k_end", "decay", "P", "A", "W", "U"], meta_fields=[])
+@dataclasses.dataclass
+class Local:
+  """What the chunk-to-chunk recurrence and the output need; arrays are [B, HV, N, ...]."""
+  q_dec: jax.Array  # [.., C, K] scale * q_t * e^{gamma_t}, zero where a reset cut it from the entering state
+  k_dec: jax.Array  # [.., C, K] k_t * e^{gamma_t}, likewise masked
+  k_end: jax.Array  # [.., C, K] k_i * e^{gamma_C - gamma_i}, zero unless i reaches the chunk end
+  decay: jax.Array  # [.., 1 or K] e^{gamma_C}, zero if the chunk holds a reset
+  P: jax.Array  # [.., C, C] intra-chunk output weights (lower triangular, diagonal included)
+  A: Optional[jax.Array]  # [.., C, C] strictly lower A (None without delta rule)
+  W: Optional[jax.Array]  # [.., C, K] (per-head beta only)
+  U: jax.Array  # [.., C, V] Unew (per-head beta), v (no beta), v (per-channel beta: solved later)
+
+
+def _dot(prec):
+  return lambda spec, *xs: jnp.einsum(spec, *xs, precision=prec)
+
+
+def _cumsum_incl(g, axis):
+  return jnp.cumsum(g, axis=axis)
+
+
+def _cumsum_rev_excl(g, axis):
+  """sum_{j > t} g_j along `axis`, as a direct sum (no subtraction)."""
+  shifted = jnp.concatenate([jax.lax.slice_in_dim(g, 1, None, axis=axis),
+                             jnp.zeros_like(jax.lax.slice_in_dim(g, 0, 1, axis=axis))], axis=axis)
+  return jnp.flip(jnp.cumsum(jnp.flip(shifted, axis), axis=axis), axis)
+
+
+def _segsum(g, axis):
+  """out[t, i] = sum_{i < j <= t} g_j for i <= t, 0 above the diagonal. g has length L along `axis`;
+  the result inserts a new axis after it (t at `axis`, i at `axis + 1`)."""
+  L = g.shape[axis]
+  j = jnp.arange(L)
+  keep = (j[:, None] > j[None, :])  # [j, i]
+  gj = jnp.expand_dims(g, axis + 1)  # [.., j, 1, ..]
+  keep = keep.reshape((L, L) + (1,) * (g.ndim - axis - 1))
+  return jnp.cumsum(jnp.where(keep, gj, 0.0), axis=axis)
+
+
+def _pair_scalar(q, k, g, dot):
+  """A (unmasked) and P for one decay per head. q,k [.., C, K]; g [.., C]."""
+  C = g.shape[-1]
+  incl = jnp.tril(jnp.ones((C, C), bool))
+  D = jnp.exp(jnp.where(incl, _segsum(g, g.ndim - 1), -jnp.inf))
+  return dot("...tk,...ik->...ti", k, k) * D, dot("...tk,...ik->...ti", q, k) * D
+
+
+def _pair_channel(q, k, g, dot):
+  """A (unmasked) and P for one decay per key channel, without e^{+x} overflow.
+
+  Diagonal sub-chunk blocks use the exact pairwise decay [c, c, K]; a block (n, m), n > m, factors the decay
+  through the last position r of sub-chunk m: e^{gamma_t - gamma_i} = e^{gamma_t - gamma_r} e^{gamma_r - gamma_i},
+  both exponents <= 0.
+  """
+  C, K = k.shape[-2:]
+  c = SUB_CHUNK if C % SUB_CHUNK == 0 else C
+  M = C // c
+  lead = k.shape[:-2]
+  sub = lambda x: x.reshape(lead + (M, c, K))
+  qs, ks, gs = sub(q), sub(k), sub(g)
+  # Diagonal blocks: D[n, t, i, :] = sum_{i < j <= t} g_j inside sub-chunk n.
+  incl = jnp.tril(jnp.ones((c, c), bool))[:, :, None]
+  Dd = jnp.exp(jnp.where(incl, _segsum(gs, gs.ndim - 2), -jnp.inf))  # [.., M, c, c, K]
+  A_d = dot("...ntk,...nik,...ntik->...nti", ks, ks, Dd)
+  P_d = dot("...ntk,...nik,...ntik->...nti", qs, ks, Dd)
+  eye = jnp.eye(M, dtype=k.dtype)
+  blockdiag = lambda X: jnp.einsum("...nti,nm->...ntmi", X, eye).reshape(lead + (C, C))
+  if M == 1:
+    return blockdiag(A_d), blockdiag(P_d)
+  # Off-diagonal blocks.
+  F = jnp.cumsum(gs, axis=-2)  # [.., M, c, K] local inclusive: sum over (start of n, t]
+  R = _cumsum_rev_excl(gs, gs.ndim - 2)  # sum over (i, end of m]
+  tot = F[..., -1, :]  # [.., M, K]
+  # between[n, m] = sum_{m < l < n} tot_l
+  nn = jnp.arange(M)
+  keep = (nn[:, None] > nn[None, :])[..., None]  # [l, m, 1]
+  Y = jnp.cumsum(jnp.where(keep, tot[..., :, None, :], 0.0), axis=-3)  # [.., l->n, m, K] sum_{m<l<=n}
+  between = jnp.concatenate([jnp.zeros_like(Y[..., :1, :, :]), Y[..., :-1, :, :]], axis=-3)  # [.., n, m, K]
+  later = (nn[:, None] > nn[None, :])  # [n, m]
+  X = F[..., :, None, :, :] + between[..., :, :, None, :]  # [.., n, m, t, K]
+  X = jnp.where(later[:, :, None, None], X, -jnp.inf)
+  fac = jnp.exp(X)
+  kL = ks[..., :, None, :, :] * fac  # [.., n, m, t, K]
+  qL = qs[..., :, None, :, :] * fac
+  kR = ks * jnp.exp(R)  # [.., m, i, K]
+  A_o = dot("...nmtk,...mik->...ntmi", kL, kR).reshape(lead + (C, C))
+  P_o = dot("...nmtk,...mik->...ntmi", qL, kR).reshape(lead + (C, C))
+  return A_o + blockdiag(A_d), P_o + blockdiag(P_d)
+
+
+def local(q, k, v, g, beta, masks, *, beta_kind: str, prec) -> Local:
+  """Chunk-local quantities. q (already scaled), k [B,HV,N,C,K]; v [B,HV,N,C,V];
+  g None, [B,HV,N,C] or [B,HV,N,C,K]; beta None, [B,HV,N,C] or [B,HV,N,C,V];
+  masks None or (same [..,C,C], carries [..,C], reaches_end [..,C], unbroken [..,1])."""
+  dot = _dot(prec)
+  C = k.shape[-2]
+  if g is None:
+    incl = jnp.tril(jnp.ones((C, C), bool))
+    A = dot("...tk,...ik->...ti", k, k)
+    P = jnp.where(incl, dot("...tk,...ik->...ti", q, k), 0.0)
+    q_dec, k_dec, k_end = q, k, k
+    decay = jnp.ones(k.shape[:-2] + (1,), k.dtype)
+  else:
+    ax = 3  # the C axis of [B, HV, N, C, ...]
+    gam = _cumsum_incl(g, ax)
+    to_end = _cumsum_rev_excl(g, ax)
+    if g.ndim == 4:
+      A, P = _pair_scalar(q, k, g, dot)
+      gam, to_end, total = gam[..., None], to_end[..., None], gam[..., -1:]
+    else:
+      A, P = _pair_channel(q, k, g, dot)
+      total = gam[..., -1, :]
+    q_dec, k_dec, k_end = q * jnp.exp(gam), k * jnp.exp(gam), k * jnp.exp(to_end)
+    decay = jnp.exp(total)
+  if masks is not None:
+    same, carries, reaches_end, unbroken = masks
+    P = jnp.where(same, P, 0.0)
+    A = jnp.where(same, A, 0.0)
+    q_dec = jnp.where(carries[..., None], q_dec, 0.0)
+    k_dec = jnp.where(carries[..., None], k_dec, 0.0)
+    k_end = jnp.where(reaches_end[..., None], k_end, 0.0)
+    decay = jnp.where(unbroken, decay, 0.0)
+  if beta_kind == "none":
+    return Local(q_dec, k_dec, k_end, decay, P, None, None, v)
+  A = jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), A, 0.0)
+  if beta_kind == "channel":
+    return Local(q_dec, k_dec, k_end, decay, P, A, None, v)
+  b = beta[..., None]
+  rhs = jnp.concatenate([b * k_dec, b * v], axis=-1)
+  X = solve_unit_lower(b * A, rhs)
+  K = k.shape[-1]
+  return Local(q_dec, k_dec, k_end, decay, P, A, X[..., :K], X[..., K:])
+
+
+def solve_unit_lower(L, rhs):
+  """(I + L)^{-1} rhs for strictly lower-triangular L: forward substitution, exact for any L (a Neumann
+  series in L overflows when keys inside a chunk are correlated)."""
+  return jax.lax.linalg.triangular_solve(L, rhs, left_side=True, lower=True, unit_diagonal=True)
