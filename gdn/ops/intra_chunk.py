@@ -31,7 +31,7 @@ SUB_CHUNK = 16
                    data_fields=["q_dec", "k_dec", "k_end", "decay", "P", "A", "W", "U"], meta_fields=[])
 @dataclasses.dataclass
 class Local:
-  """What the chunk-to-chunk recurrence and the output need; arrays are [B, HV, N, ...]."""
+  """What the chunk-to-chunk recurrence and the output need, per chunk: [L, ...] (or [B, HV, N, ...])."""
   q_dec: jax.Array  # [.., C, K] scale * q_t * e^{gamma_t}, zero where a reset cut it from the entering state
   k_dec: jax.Array  # [.., C, K] k_t * e^{gamma_t}, likewise masked
   k_end: jax.Array  # [.., C, K] k_i * e^{gamma_C - gamma_i}, zero unless i reaches the chunk end
@@ -120,9 +120,9 @@ def _pair_channel(q, k, g, dot):
 
 
 def local(q, k, v, g, beta, masks, *, beta_kind: str, prec) -> Local:
-  """Chunk-local quantities. q (already scaled), k [B,HV,N,C,K]; v [B,HV,N,C,V];
-  g None, [B,HV,N,C] or [B,HV,N,C,K]; beta None, [B,HV,N,C] or [B,HV,N,C,V];
-  masks None or (same [..,C,C], carries [..,C], reaches_end [..,C], unbroken [..,1])."""
+  """Chunk-local quantities for L = B*HV*N chunks. q (already scaled), k [L,C,K]; v [L,C,V];
+  g None, [L,C] or [L,C,K]; beta None, [L,C] or [L,C,V];
+  masks None or (same [L,C,C], carries [L,C], reaches_end [L,C], unbroken [L,1])."""
   dot = _dot(prec)
   C = k.shape[-2]
   if g is None:
@@ -132,10 +132,10 @@ def local(q, k, v, g, beta, masks, *, beta_kind: str, prec) -> Local:
     q_dec, k_dec, k_end = q, k, k
     decay = jnp.ones(k.shape[:-2] + (1,), k.dtype)
   else:
-    ax = 3  # the C axis of [B, HV, N, C, ...]
+    ax = 1  # the C axis of [L, C, ...]
     gam = _cumsum_incl(g, ax)
     to_end = _cumsum_rev_excl(g, ax)
-    if g.ndim == 4:
+    if g.ndim == 2:
       A, P = _pair_scalar(q, k, g, dot)
       gam, to_end, total = gam[..., None], to_end[..., None], gam[..., -1:]
     else:

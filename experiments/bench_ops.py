@@ -1,0 +1,160 @@
+"""Op benchmark: recurrent vs chunk vs associative (and a plain XLA port), forward and forward+backward.
+
+Prints a markdown table of median milliseconds and XLA's peak-memory estimate per variant, side by side in
+one run. Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head decay and beta (Gated DeltaNet).
+
+  python -m experiments.bench_ops --preset cpu
+  python -m experiments.bench_ops --preset h200 --dtype bfloat16
+  python -m experiments.bench_ops --preset memory      # forward+backward memory with and without remat
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gdn.ops import checks
+from gdn.ops.api import _IMPLS
+from gdn.ops.chunk import chunk
+
+PRESETS = {
+    "cpu": dict(shapes=[(1, 512, 4, 64), (1, 2048, 4, 64), (1, 8192, 4, 64)],
+                methods=["recurrent", "plain_port", "chunk", "associative"]),
+    "h200": dict(shapes=[(4, 2048, 16, 128), (2, 16384, 16, 128), (1, 8192, 96, 128), (4, 4096, 64, 128),
+                         (8, 1024, 8, 64)],
+                 methods=["plain_port", "chunk", "associative"]),
+    "memory": dict(shapes=[(1, 65536, 4, 64)], methods=["chunk", "chunk_no_remat", "associative"]),
+}
+
+
+def plain_port(q, k, v, g, beta, *, chunk_size=64):
+  """The baseline: how straightforward JAX ports write it. Per chunk, inside `lax.scan`: the masked
+  triangular system by an explicit triangular solve, intra-chunk attention, state update; autodiff
+  through everything (no rematerialisation). Per-head g and beta only. Shapes as `gated_delta_rule`."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  C = chunk_size
+  N = T // C
+  f32 = lambda x: x.astype(jnp.float32)
+  q, k, v, g, beta = f32(q) * K**-0.5, f32(k), f32(v), f32(g), f32(beta)
+  to_chunks = lambda x: jnp.moveaxis(x.reshape((B, N, C) + x.shape[2:]), 1, 0)  # [N, B, C, H, ...]
+  eye = jnp.eye(C, dtype=jnp.float32)
+  lower = jnp.tril(jnp.ones((C, C), bool), -1)
+  incl = jnp.tril(jnp.ones((C, C), bool))
+
+  def body(S, xs):
+    qc, kc, vc, gc, bc = xs  # [B, C, H, ...]
+    gam = jnp.cumsum(gc, axis=1)  # [B, C, H]
+    diff = gam[:, :, None, :] - gam[:, None, :, :]  # [B, C, C, H]
+    decay = jnp.exp(jnp.where(incl[None, :, :, None], diff, -jnp.inf))
+    kk = jnp.einsum("bthk,bihk->btih", kc, kc) * decay
+    A = eye[None, :, :, None] + jnp.where(lower[None, :, :, None], kk * bc[:, :, None, :], 0.0)
+    A = jnp.moveaxis(A, -1, 1)  # [B, H, C, C]
+    rhs_w = jnp.moveaxis(kc * (bc * jnp.exp(gam))[..., None], 2, 1)
+    rhs_u = jnp.moveaxis(vc * bc[..., None], 2, 1)
+    w = jax.scipy.linalg.solve_triangular(A, rhs_w, lower=True)
+    u = jax.scipy.linalg.solve_triangular(A, rhs_u, lower=True)
+    u = u - jnp.einsum("bhck,bhkv->bhcv", w, S)
+    qk = jnp.moveaxis(jnp.einsum("bthk,bihk->btih", qc, kc) * decay, -1, 1)
+    qg = jnp.moveaxis(qc * jnp.exp(gam)[..., None], 2, 1)
+    o = jnp.einsum("bhck,bhkv->bhcv", qg, S) + jnp.einsum("bhti,bhiv->bhtv", qk, u)
+    gam_h = jnp.moveaxis(gam, -1, 1)  # [B, H, C]
+    k_end = jnp.moveaxis(kc, 2, 1) * jnp.exp(gam_h[..., -1:] - gam_h)[..., None]
+    S = S * jnp.exp(gam_h[..., -1])[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", k_end, u)
+    return S, jnp.moveaxis(o, 1, 2)
+
+  S0 = jnp.zeros((B, H, K, V), jnp.float32)
+  S, o = jax.lax.scan(body, S0, tuple(map(to_chunks, (q, k, v, g, beta))))
+  return jnp.moveaxis(o, 0, 1).reshape(B, T, H, V), S
+
+
+def make_fn(method, dims):
+  if method == "plain_port":
+    return lambda q, k, v, g, b: plain_port(q, k, v, g, b)[0].astype(v.dtype)
+  remat = method != "chunk_no_remat"
+  impl = chunk if method == "chunk_no_remat" else _IMPLS[method]
+  kw = dict(remat=remat) if method != "recurrent" else {}
+
+  def f(q, k, v, g, b):
+    return impl(q, k, v, g, b, scale=dims.K**-0.5, initial_state=None, segment_ids=None, dims=dims,
+                chunk_size=64, **kw)[0].astype(v.dtype)
+
+  return f
+
+
+def timed(fn, args, reps):
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(1e3 * (time.perf_counter() - t0))
+  return statistics.median(times)
+
+
+def peak_bytes(jitted, args):
+  """XLA's buffer assignment: arguments + outputs + temporaries of the compiled program."""
+  m = jitted.lower(*args).compile().memory_analysis()
+  if m is None:
+    return float("nan")
+  return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
+def bench(shape, method, dtype, reps, skip_time=False):
+  B, T, H, D = shape
+  rng = np.random.default_rng(0)
+  k = rng.normal(size=(B, T, H, D)).astype(np.float32)
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  args = [jnp.asarray(rng.normal(size=(B, T, H, D)), dtype), jnp.asarray(k, dtype),
+          jnp.asarray(rng.normal(size=(B, T, H, D)), dtype),
+          jnp.asarray(np.log(rng.uniform(0.9, 1.0, (B, T, H))), dtype),
+          jnp.asarray(rng.uniform(0, 1, (B, T, H)), dtype)]
+  dims = checks.check_sequence(*args, None, None, None, "chunk", 64)
+  f = make_fn(method, dims)
+  do = jnp.asarray(rng.normal(size=(B, T, H, D)), dtype)
+
+  def fwd_bwd(*a):
+    o, vjp = jax.vjp(f, *a)
+    return vjp(do)
+
+  fwd, fb = jax.jit(f), jax.jit(fwd_bwd)
+  row = dict(fwd_mem=peak_bytes(fwd, args), fb_mem=peak_bytes(fb, args))
+  if not skip_time:
+    row.update(fwd_ms=timed(fwd, args, reps), fb_ms=timed(fb, args, reps))
+  return row
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+  p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+  p.add_argument("--methods", nargs="*", help="override the preset's methods")
+  p.add_argument("--reps", type=int, default=5)
+  a = p.parse_args(argv)
+  preset = PRESETS[a.preset]
+  methods = a.methods or preset["methods"]
+  dtype = jnp.dtype(a.dtype)
+  print(f"# gated delta rule ops, {jax.devices()[0].device_kind}, jax {jax.__version__}, {a.dtype} inputs, "
+        f"chunk 64, median of {a.reps}")
+  print("| B, T, H, D | method | fwd ms | fwd+bwd ms | fwd mem MiB | fwd+bwd mem MiB |")
+  print("|---|---|---|---|---|---|")
+  for shape in preset["shapes"]:
+    for method in methods:
+      try:
+        r = bench(shape, method, dtype, a.reps, skip_time=a.preset == "memory")
+      except Exception as e:  # report and go on: one failing variant must not hide the others
+        print(f"| {shape} | {method} | failed: {type(e).__name__}: {str(e)[:80]} | | | |", flush=True)
+        continue
+      ms = lambda key: f"{r[key]:.2f}" if key in r else "-"
+      print(f"| {', '.join(map(str, shape))} | {method} | {ms('fwd_ms')} | {ms('fb_ms')} | "
+            f"{r['fwd_mem'] / 2**20:.0f} | {r['fb_mem'] / 2**20:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,296 @@
+"""Every method of the gated delta rule against the float64 recurrence: outputs, final state, gradients.
+
+Shapes: B batch, T time, H q/k heads, HV value heads, K key dim, V value dim, C chunk size.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdn import ops
+from reference import gated_delta_rule_ref
+
+KINDS = ("none", "head", "channel")
+METHODS = ("recurrent", "chunk", "associative")
+DIFF_ARGS = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def make_inputs(seed, B, T, H, HV, K, V, g_kind, beta_kind, *, init=True, segments=False, beta_max=2.0,
+                dtype=np.float32):
+  rng = np.random.default_rng(seed)
+  k = rng.normal(size=(B, T, H, K))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)  # layers L2-normalise keys; the delta rule assumes it
+  x = dict(q=rng.normal(size=(B, T, H, K)), k=k, v=rng.normal(size=(B, T, HV, V)))
+  x["g"] = {"none": None, "head": np.log(rng.uniform(0.5, 1.0, (B, T, HV))),
+            "channel": np.log(rng.uniform(0.5, 1.0, (B, T, HV, K)))}[g_kind]
+  x["beta"] = {"none": None, "head": rng.uniform(0, beta_max, (B, T, HV)),
+               "channel": rng.uniform(0, beta_max, (B, T, HV, V))}[beta_kind]
+  x["initial_state"] = 0.5 * rng.normal(size=(B, HV, K, V)) if init else None
+  x = {n: None if a is None else a.astype(dtype) for n, a in x.items()}
+  x["segment_ids"] = (np.cumsum(rng.uniform(size=(B, T)) < 0.15, axis=1).astype(np.int32) if segments else None)
+  return x
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_bwd(method, chunk_size, present, scale):
+  """Jitted forward + VJP with fixed cotangents, differentiating every array argument present."""
+
+  def f(diff, segment_ids, co):
+    def op(diff):
+      return ops.gated_delta_rule(diff["q"], diff["k"], diff["v"], diff.get("g"), diff.get("beta"),
+                                  initial_state=diff.get("initial_state"), segment_ids=segment_ids,
+                                  method=method, chunk_size=chunk_size, scale=scale)
+    (o, S), vjp = jax.vjp(op, diff)
+    (grads,) = vjp((co[0].astype(o.dtype), co[1].astype(S.dtype)))
+    return o, S, grads
+
+  return jax.jit(f)
+
+
+def run(method, x, *, chunk_size=16, scale=None, seed=1):
+  diff = {n: jnp.asarray(x[n]) for n in DIFF_ARGS if x[n] is not None}
+  B, T, HV, V = x["v"].shape
+  K = x["q"].shape[-1]
+  rng = np.random.default_rng(seed)
+  co = (jnp.asarray(rng.normal(size=(B, T, HV, V))), jnp.asarray(rng.normal(size=(B, HV, K, V))))
+  seg = None if x["segment_ids"] is None else jnp.asarray(x["segment_ids"])
+  o, S, grads = _fwd_bwd(method, chunk_size, tuple(sorted(diff)), scale)(diff, seg, co)
+  return np.asarray(o, np.float64), np.asarray(S, np.float64), {n: np.asarray(g, np.float64)
+                                                                   for n, g in grads.items()}
+
+
+def oracle(x, **kw):
+  """The float64 recurrence: forward and gradients (the JAX token scan in float64)."""
+  x64 = {n: None if a is None or n == "segment_ids" else np.asarray(a, np.float64) for n, a in x.items()}
+  x64["segment_ids"] = x["segment_ids"]
+  with jax.enable_x64(True):
+    return run("recurrent", x64, **kw)
+
+
+def rel(a, b):
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_close(got, want, tol, what=""):
+  o, S, grads = got
+  o_ref, S_ref, grads_ref = want
+  assert np.all(np.isfinite(o)) and np.all(np.isfinite(S)), what
+  assert rel(o, o_ref) < tol, f"{what} o: {rel(o, o_ref):.2e}"
+  assert rel(S, S_ref) < tol, f"{what} final state: {rel(S, S_ref):.2e}"
+  assert set(grads) == set(grads_ref)
+  for n in grads:
+    assert np.all(np.isfinite(grads[n])), f"{what} d{n} not finite"
+    assert rel(grads[n], grads_ref[n]) < tol, f"{what} d{n}: {rel(grads[n], grads_ref[n]):.2e}"
+
+
+def test_jax_oracle_is_the_seed_loop():
+  """The float64 JAX scan (gradient oracle) equals the plain NumPy loop written from the seed."""
+  for g_kind in KINDS:
+    for beta_kind in KINDS:
+      x = make_inputs(0, 2, 9, 1, 2, 3, 4, g_kind, beta_kind, segments=True)
+      o, S, _ = oracle(x)
+      o_np, S_np = gated_delta_rule_ref(**x)
+      np.testing.assert_allclose(o, o_np, rtol=1e-10, atol=1e-12)
+      np.testing.assert_allclose(S, S_np, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("g_kind", KINDS)
+@pytest.mark.parametrize("beta_kind", KINDS)
+@pytest.mark.parametrize("method", METHODS)
+def test_all_variants_float32(method, g_kind, beta_kind):
+  """All nine (g, beta) combinations; T = 2C + 3 with grouped heads, odd K, V, initial state, segments."""
+  x = make_inputs(1, 2, 35, 2, 4, 5, 3, g_kind, beta_kind, segments=True)
+  if method == "associative" and beta_kind == "channel":
+    with pytest.raises(ValueError, match="associative.*per-value-channel beta"):
+      run(method, x)
+    return
+  assert_close(run(method, x), oracle(x), 1e-5, f"{method} g={g_kind} beta={beta_kind}")
+
+
+SHAPES = [  # B, T, H, HV, K, V, C: T = 1, C - 1, C + 1, longer; odd K and V; HV > H
+    (1, 1, 1, 1, 4, 4, 16),
+    (2, 15, 1, 3, 7, 5, 16),
+    (1, 33, 2, 4, 9, 6, 32),
+    (1, 65, 1, 1, 16, 8, 64),
+    (1, 150, 2, 2, 8, 8, 64),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("variant", [("head", "head"), ("channel", "head"), ("head", "channel")])
+@pytest.mark.parametrize("method", ["chunk", "associative"])
+def test_shapes_and_chunk_sizes(method, variant, shape):
+  B, T, H, HV, K, V, C = shape
+  if method == "associative" and variant[1] == "channel":
+    pytest.skip("associative declines per-value-channel beta (tested above)")
+  x = make_inputs(2, B, T, H, HV, K, V, *variant)
+  assert_close(run(method, x, chunk_size=C), oracle(x), 1e-5, f"{method} {variant} {shape}")
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("variant", [("head", "head"), ("channel", "head"), ("none", "none")])
+def test_bfloat16_inputs(method, variant):
+  x = make_inputs(3, 2, 40, 2, 2, 16, 16, *variant)
+  x_bf = {n: a if a is None or n == "segment_ids" else jnp.asarray(a, jnp.bfloat16) for n, a in x.items()}
+  x_bf["initial_state"] = x["initial_state"]  # the state is float32 by contract
+  x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
+           for n, a in x_bf.items()}
+  got = run(method, x_bf)
+  assert run(method, x_bf)[0].dtype == np.float64  # converted for comparison; the op returned bfloat16
+  assert_close(got, oracle(x_ref), 2e-2, f"bf16 {method} {variant}")
+
+
+def test_output_dtype_follows_v():
+  x = make_inputs(4, 1, 20, 1, 1, 8, 8, "head", "head")
+  v = jnp.asarray(x["v"], jnp.bfloat16)
+  for method in METHODS:
+    o, S = ops.gated_delta_rule(jnp.asarray(x["q"]), jnp.asarray(x["k"]), v, method=method, chunk_size=16)
+    assert o.dtype == jnp.bfloat16 and S.dtype == jnp.float32
+
+
+def test_scale():
+  x = make_inputs(5, 1, 21, 1, 1, 8, 8, "head", "head")
+  assert_close(run("chunk", x, scale=0.3), oracle(x, scale=0.3), 1e-5, "scale")
+
+
+# ---- torture ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case", ["no_decay", "total_forgetting", "mixed_decay", "beta2", "identical_keys"])
+def test_torture(method, case):
+  B, T, H, HV, K, V = 1, 70, 1, 2, 8, 8
+  g_kind = "channel" if case == "mixed_decay" else "head"
+  x = make_inputs(6, B, T, H, HV, K, V, g_kind, "head", beta_max=1.0)
+  if case == "no_decay":
+    x["g"] = np.zeros_like(x["g"])
+  elif case == "total_forgetting":
+    x["g"] = np.full_like(x["g"], -1e4)
+  elif case == "mixed_decay":
+    # A strong decay followed by weak ones: differences of long cumulative sums would lose all precision.
+    rng = np.random.default_rng(0)
+    x["g"] = np.where(rng.uniform(size=x["g"].shape) < 0.1, -60.0, -0.01).astype(np.float32)
+  elif case == "beta2":
+    x["beta"] = np.full_like(x["beta"], 2.0)
+  elif case == "identical_keys":
+    x["k"] = np.broadcast_to(x["k"][:, :1], x["k"].shape).copy()
+    x["beta"] = np.ones_like(x["beta"])
+    x["g"] = np.zeros_like(x["g"])
+  assert_close(run(method, x, chunk_size=32), oracle(x, chunk_size=32), 1e-5, f"{method} {case}")
+
+
+@pytest.mark.slow
+def test_long_sequence_2_17_chunk():
+  """T = 2^17 in float32 through `chunk`: finite and equal to the token scan, forward and gradients."""
+  x = make_inputs(7, 1, 2**17, 1, 1, 8, 8, "head", "head", beta_max=1.0)
+  got, want = run("chunk", x, chunk_size=64), run("recurrent", x)
+  assert_close(got, want, 1e-4, "T=2^17")
+
+
+# ---- semantics -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_packed_segments_equal_separate_runs(method):
+  lengths = (13, 1, 40, 17)
+  x = make_inputs(8, 1, sum(lengths), 1, 2, 8, 8, "channel", "head", init=False)
+  x["segment_ids"] = np.repeat(np.arange(len(lengths)), lengths)[None].astype(np.int32)
+  o, S, _ = run(method, x)
+  start = 0
+  for n in lengths:
+    part = {k: (None if a is None or k == "initial_state" else a[:, start:start + n])
+            for k, a in x.items()}
+    part["segment_ids"] = None
+    o_p, S_p, _ = run(method, part)
+    np.testing.assert_allclose(o[:, start:start + n], o_p, rtol=1e-5, atol=1e-5)
+    start += n
+  np.testing.assert_allclose(S, S_p, rtol=1e-5, atol=1e-5)  # the final state is the last segment's
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_causality(method):
+  """d o_t / d (inputs after t) is exactly zero."""
+  x = make_inputs(9, 1, 40, 1, 1, 4, 4, "channel", "head")
+  t0 = 21
+
+  def o_t(diff):
+    o, _ = ops.gated_delta_rule(diff["q"], diff["k"], diff["v"], diff["g"], diff["beta"], method=method,
+                                chunk_size=16)
+    return o[:, t0].sum()
+
+  diff = {n: jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")}
+  grads = jax.grad(o_t)(diff)
+  for n, gr in grads.items():
+    assert np.all(np.asarray(gr)[:, t0 + 1:] == 0.0), f"{method}: d o_{t0} / d {n} leaks from the future"
+    assert np.any(np.asarray(gr)[:, :t0 + 1] != 0.0)
+
+
+def test_jit_and_no_jit_agree():
+  x = make_inputs(10, 1, 30, 1, 1, 8, 8, "head", "head")
+  args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")]
+  for method in METHODS:
+    eager = ops.gated_delta_rule(*args, method=method, chunk_size=16)
+    jitted = jax.jit(functools.partial(ops.gated_delta_rule, method=method, chunk_size=16))(*args)
+    for a, b in zip(eager, jitted):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_step_is_one_token_of_the_scan():
+  x = make_inputs(11, 2, 5, 1, 2, 4, 6, "channel", "channel")
+  o, S, _ = oracle(x)
+  state = jnp.asarray(x["initial_state"])
+  for t in range(5):
+    o_t, state = ops.gated_delta_rule_step(*(jnp.asarray(x[n][:, t]) for n in ("q", "k", "v", "g", "beta")),
+                                           state=state)
+    np.testing.assert_allclose(o_t, o[:, t], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(state, S, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_matches_oracle():
+  for T in (3, 50):
+    x = make_inputs(12, 1, T, 1, 1, 8, 8, "head", "head")
+    assert_close(run("auto", x), oracle(x), 1e-5, f"auto T={T}")
+
+
+# ---- bad input -------------------------------------------------------------------------------------------
+
+
+def _bad_cases():
+  B, T, H, HV, K, V = 2, 8, 2, 4, 4, 3
+  z = lambda *s: jnp.zeros(s, jnp.float32)
+  ok = dict(q=z(B, T, H, K), k=z(B, T, H, K), v=z(B, T, HV, V))
+  return [
+      (dict(ok, q=z(T, H, K)), ValueError, "q must have rank 4"),
+      (dict(ok, k=z(B, T, H, K + 1)), ValueError, "k must have the shape of q"),
+      (dict(ok, v=z(B, T + 1, HV, V)), ValueError, "v must be"),
+      (dict(ok, v=z(B, T, 3, V)), ValueError, "multiple of q/k's H"),
+      (dict(ok, g=z(B, T, H)), ValueError, r"g must be None, of shape \[B, T, HV\]"),
+      (dict(ok, g=z(B, T, HV, V + 5)), ValueError, "g must be"),
+      (dict(ok, beta=z(B, T, HV, K + 2)), ValueError, "beta must be"),
+      (dict(ok, initial_state=z(B, HV, V, K)), ValueError, "initial_state must be of shape"),
+      (dict(ok, segment_ids=jnp.zeros((B, T), jnp.float32)), TypeError, "segment_ids must be an integer"),
+      (dict(ok, segment_ids=jnp.zeros((B, T + 1), jnp.int32)), ValueError, "segment_ids must be None or of shape"),
+      (dict(ok, method="fast"), ValueError, "method must be one of"),
+      (dict(ok, chunk_size=0), ValueError, "chunk_size must be a positive int"),
+      (dict(ok, q=jnp.zeros((B, T, H, K), jnp.int32)), TypeError, "q must be a floating-point"),
+  ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_cases())))
+def test_bad_input_raises_clear_error(case):
+  kwargs, err, msg = _bad_cases()[case]
+  with pytest.raises(err, match=msg):
+    ops.gated_delta_rule(**kwargs)
+
+
+def test_step_bad_input():
+  z = lambda *s: jnp.zeros(s, jnp.float32)
+  with pytest.raises(ValueError, match="state must be of shape"):
+    ops.gated_delta_rule_step(z(1, 2, 4), z(1, 2, 4), z(1, 2, 3), state=z(1, 2, 3, 4))
+  with pytest.raises(ValueError, match="state is required"):
+    ops.gated_delta_rule_step(z(1, 2, 4), z(1, 2, 4), z(1, 2, 3), state=None)
+  with pytest.raises(ValueError, match="beta_t must be"):
+    ops.gated_delta_rule_step(z(1, 2, 4), z(1, 2, 4), z(1, 2, 3), beta_t=z(1, 3), state=z(1, 2, 4, 3))
