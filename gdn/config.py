@@ -52,6 +52,7 @@ class RecurrentConfig:
   decay_low_rank: int = 16  # rank of the KDA per-channel decay projection
   dt_init: str = "fla"  # "fla": dt_bias = softplus^-1(log-uniform[1e-3, 0.1]), A ~ U(1, 16); "seed": dt_bias = 1, A ~ U(0, 16)
   dropout: float = 0.0
+  norm_eps: float = 1e-6  # output RMSNorm (the seed's nn.RMSNorm(head_dim, eps=1e-6))
   method: str = "auto"
   chunk_size: int = 64
 
@@ -69,6 +70,15 @@ class RecurrentConfig:
     _choice("qk_norm", self.qk_norm, QK_NORMS)
     _choice("dt_init", self.dt_init, ("fla", "seed"))
     _choice("method", self.method, ("auto", "recurrent", "chunk", "associative"))
+    _positive("decay_low_rank", self.decay_low_rank)
+    if self.v_head_dim is not None:
+      _positive("v_head_dim", self.v_head_dim)
+    if self.allow_neg_eigval and self.beta == "none":
+      raise ValueError("allow_neg_eigval=True needs a delta rule (beta 'head' or 'channel'), got beta='none'")
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+    if not self.norm_eps > 0:
+      raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
 
   @property
   def HV(self) -> int:
@@ -90,6 +100,7 @@ class AttentionConfig:
   window: int = 0  # sliding window size for "W" layers
   output_gate: str = "none"  # "none" | "sigmoid"
   qk_norm: bool = False  # RMSNorm on q and k per head
+  implementation: str = "auto"  # jax.nn.dot_product_attention backend: "auto" (cuDNN for 16-bit on GPU), "xla", "cudnn"
 
   def __post_init__(self):
     _positive("num_heads", self.num_heads)
@@ -101,6 +112,7 @@ class AttentionConfig:
     if self.window < 0:
       raise ValueError(f"window must be >= 0, got {self.window}")
     _choice("output_gate", self.output_gate, ("none", "sigmoid"))
+    _choice("implementation", self.implementation, ("auto", "xla", "cudnn"))
 
   @property
   def KVH(self) -> int:

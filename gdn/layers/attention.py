@@ -1,0 +1,154 @@
+"""Causal softmax attention: RoPE (full or partial), GQA, sliding window, sigmoid output gate, KV cache.
+
+Shapes: B batch, T new tokens, L cache slots, S keys attended (L + T), D d_model, N q heads, G kv heads, E head dim.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdn.config import AttentionConfig
+from gdn.layers.norms import RMSNorm
+from gdn.layers.segments import segment_index
+
+
+class KVCache(NamedTuple):
+  """A ring buffer of keys and values: slot p % L holds position p. Global layers get L = max_len (no wrap
+  within capacity), sliding-window layers L = min(window, max_len)."""
+  k: jax.Array  # [B, L, G, E] (rotated keys)
+  v: jax.Array  # [B, L, G, E]
+  kpos: jax.Array  # [L] int32 position held by each slot, -1 when empty
+  pos: jax.Array  # [] int32 number of tokens seen
+
+
+def rope(x, positions, *, theta: float, rot_dim: int):
+  """Rotate the first rot_dim dims of each head (NeoX half-split pairs); x [B, T, N, E], positions [T]."""
+  if rot_dim == 0:
+    return x
+  half = rot_dim // 2
+  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  ang = positions.astype(jnp.float32)[:, None] * inv_freq  # [T, half]
+  cos, sin = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]
+  xr = x[..., :rot_dim].astype(jnp.float32)
+  x1, x2 = xr[..., :half], xr[..., half:]
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+  return jnp.concatenate([rotated, x[..., rot_dim:]], axis=-1)
+
+
+class Attention(nnx.Module):
+  """Causal multi-head attention with GQA. window > 0: each query sees itself and the window-1 tokens before it.
+
+  output_gate "sigmoid" is Qwen3-Next's gated attention: q_proj also yields a per-channel gate, and the
+  attention output is multiplied by sigmoid(gate) before o_proj. qk_norm applies RMSNorm per head before RoPE.
+  """
+
+  def __init__(self, cfg: AttentionConfig, d_model: int, *, window: int = 0, init_std: float = 0.02,
+               out_init_std=None, norm_eps: float = 1e-6, dtype=jnp.float32, rngs: nnx.Rngs):
+    if not isinstance(cfg, AttentionConfig):
+      raise TypeError(f"cfg must be an AttentionConfig, got {type(cfg).__name__}")
+    if window < 0:
+      raise ValueError(f"window must be >= 0, got {window}")
+    self.cfg = cfg
+    self.d_model = d_model
+    self.window = window
+    self.dtype = dtype
+    N, G, E = cfg.num_heads, cfg.KVH, cfg.head_dim
+    self.rot_dim = int(E * cfg.rope_fraction) // 2 * 2
+    init = nnx.initializers.normal(init_std)
+    out_init = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
+    gated = cfg.output_gate == "sigmoid"
+    lin = lambda n_in, n_out, ki=init: nnx.Linear(n_in, n_out, use_bias=False, kernel_init=ki, dtype=dtype,
+                                                   rngs=rngs)
+    self.q_proj = lin(d_model, N * E * (2 if gated else 1))
+    self.k_proj = lin(d_model, G * E)
+    self.v_proj = lin(d_model, G * E)
+    self.o_proj = lin(N * E, d_model, out_init)
+    self.q_norm = RMSNorm(E, eps=norm_eps) if cfg.qk_norm else None
+    self.k_norm = RMSNorm(E, eps=norm_eps) if cfg.qk_norm else None
+
+  def init_cache(self, batch: int, max_len: int) -> KVCache:
+    if max_len < 1:
+      raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+    L = min(self.window, max_len) if self.window else max_len
+    shape = (batch, L, self.cfg.KVH, self.cfg.head_dim)
+    return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), jnp.full((L,), -1, jnp.int32),
+                   jnp.zeros((), jnp.int32))
+
+  def _implementation(self, dtype, has_mask: bool):
+    impl = self.cfg.implementation
+    if impl != "auto":
+      return None if impl == "xla" else impl
+    # cuDNN's fused attention takes 16-bit inputs and no dense mask; everything else goes through XLA.
+    ok = (jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2 and not has_mask
+          and self.cfg.head_dim % 8 == 0 and self.cfg.head_dim <= 128)
+    return "cudnn" if ok else None
+
+  def __call__(self, x, *, segment_ids=None, cache: Optional[KVCache] = None):
+    """x [B, T, D] -> (y [B, T, D], new cache or None). A cache continues at cache.pos; global layers must not
+    be fed more than max_len tokens in total (the ring would wrap and turn into a max_len window)."""
+    cfg = self.cfg
+    if x.ndim != 3 or x.shape[-1] != self.d_model:
+      raise ValueError(f"x must be [B, T, d_model] with d_model={self.d_model}, got shape {x.shape}")
+    if cache is not None and segment_ids is not None:
+      raise ValueError("segment_ids cannot be combined with a cache: pass one sequence per batch row")
+    B, T, _ = x.shape
+    N, G, E = cfg.num_heads, cfg.KVH, cfg.head_dim
+
+    q = self.q_proj(x)
+    gate = None
+    if cfg.output_gate == "sigmoid":
+      q, gate = jnp.split(q.reshape(B, T, N, 2 * E), 2, axis=-1)
+    q = q.reshape(B, T, N, E)
+    k = self.k_proj(x).reshape(B, T, G, E)
+    v = self.v_proj(x).reshape(B, T, G, E)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    pos0 = jnp.zeros((), jnp.int32) if cache is None else cache.pos
+    positions = pos0 + jnp.arange(T, dtype=jnp.int32)
+    q = rope(q, positions, theta=cfg.rope_theta, rot_dim=self.rot_dim)
+    k = rope(k, positions, theta=cfg.rope_theta, rot_dim=self.rot_dim)
+
+    if cache is None:
+      mask = None
+      if segment_ids is not None:
+        if segment_ids.shape != (B, T):
+          raise ValueError(f"segment_ids must be [B, T] = {(B, T)}, got {segment_ids.shape}")
+        seg = segment_index(segment_ids)
+        mask = (seg[:, :, None] == seg[:, None, :])[:, None]
+      o = jax.nn.dot_product_attention(
+          q, k, v, mask=mask, is_causal=True,
+          local_window_size=(self.window - 1, 0) if self.window else None,
+          implementation=self._implementation(q.dtype, mask is not None))
+      new_cache = None
+    else:
+      o, new_cache = self._attend_cached(q, k, v, positions, cache)
+
+    if gate is not None:
+      o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(o.dtype)
+    return self.o_proj(o.reshape(B, T, N * E)), new_cache
+
+  def _attend_cached(self, q, k, v, positions, cache: KVCache):
+    """Attend over [cached keys, new keys] (before writing, so a ring slot about to be overwritten still counts),
+    then write the last min(T, L) new keys into their slots."""
+    B, T = q.shape[:2]
+    L = cache.kpos.shape[0]
+    if cache.k.shape[0] != B:
+      raise ValueError(f"cache batch {cache.k.shape[0]} does not match x's batch {B}")
+    kk = jnp.concatenate([cache.k, k.astype(cache.k.dtype)], axis=1)
+    vv = jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1)
+    kpos = jnp.concatenate([cache.kpos, positions])  # [S]
+    ok = (kpos[None, :] >= 0) & (kpos[None, :] <= positions[:, None])
+    if self.window:
+      ok = ok & (positions[:, None] - kpos[None, :] < self.window)
+    # XLA: the ring's positions need a dense mask, which cuDNN's fused kernel does not take.
+    o = jax.nn.dot_product_attention(q.astype(kk.dtype), kk, vv, mask=ok[None, None])
+    n = min(T, L)
+    slots = positions[T - n:] % L
+    new = KVCache(cache.k.at[:, slots].set(k[:, T - n:].astype(cache.k.dtype)),
+                  cache.v.at[:, slots].set(v[:, T - n:].astype(cache.v.dtype)),
+                  cache.kpos.at[slots].set(positions[T - n:]), cache.pos + T)
+    return o.astype(q.dtype), new

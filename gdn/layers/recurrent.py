@@ -1,0 +1,179 @@
+"""The delta-rule mixer family as one module: projections, short conv, gates and output norm around the op.
+
+Shapes: B batch, T time, D d_model, H q/k heads, HV value heads, K key dim, V value dim, W conv size, R rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdn import ops
+from gdn.config import RecurrentConfig
+from gdn.layers.conv import ShortConv
+from gdn.layers.norms import ACTIVATIONS, GatedRMSNorm, RMSNorm
+
+
+class RecurrentCache(NamedTuple):
+  conv: Optional[jax.Array]  # [B, W-1, 2*H*K + HV*V] last inputs of the short conv (None without it)
+  S: jax.Array  # [B, HV, K, V] float32
+
+
+def l2norm(x, eps: float = 1e-6):
+  """x * rsqrt(sum(x^2) + eps) over the last axis, in float32 (the seed's and fla's l2norm)."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def init_decay(key, shape_A, shape_dt, dt_init: str):
+  """(A_log, dt_bias) for g = -exp(A_log) * softplus(a + dt_bias).
+
+  "fla": dt = log-uniform in [1e-3, 0.1] (floored at 1e-4), dt_bias = softplus^-1(dt), A ~ U(1, 16).
+  "seed": dt_bias = 1, A ~ U(0, 16).
+  """
+  k_A, k_dt = jax.random.split(key)
+  if dt_init == "seed":
+    # U(0, 16) can return exactly 0; the floor only keeps log finite for that 1-in-2^23 draw.
+    A = jnp.maximum(jax.random.uniform(k_A, shape_A, jnp.float32, 0.0, 16.0), 1e-30)
+    return jnp.log(A), jnp.ones(shape_dt, jnp.float32)
+  A = jax.random.uniform(k_A, shape_A, jnp.float32, 1.0, 16.0)
+  lo, hi = math.log(1e-3), math.log(0.1)
+  dt = jnp.maximum(jnp.exp(jax.random.uniform(k_dt, shape_dt, jnp.float32, lo, hi)), 1e-4)
+  return jnp.log(A), dt + jnp.log(-jnp.expm1(-dt))
+
+
+class RecurrentMixer(nnx.Module):
+  """Gated DeltaNet and its baselines, chosen by the switches of `RecurrentConfig`:
+
+    q, k, v = conv+SiLU(W_q x, W_k x, W_v x)      (plain projections when short_conv is off)
+    q, k    = l2norm(q) / sqrt(K), l2norm(k)       (qk_norm "l2")
+    g       = -exp(A_log) * softplus(W_a x + dt_bias)     per head [B,T,HV], or per key channel [B,T,HV,K]
+                                                          through a rank-R projection (KDA)
+    beta    = sigmoid(W_b x) (x2 with allow_neg_eigval)    per head [B,T,HV] or per value channel [B,T,HV,V]
+    o       = gated_delta_rule(q, k, v, g, beta)
+    y       = W_o dropout(RMSNorm(o) * act(W_g x))
+
+  The seed preset is the seed text's `GatedDeltaNet` exactly (q is divided by sqrt(K) before the op, which
+  then runs with scale 1). KDA's output gate is a full-rank W_g here (fla uses a rank-V two-layer one); its
+  per-channel dt_bias gets the same log-uniform init as the per-head one. Initialisation: projections normal(init_std), the output projection
+  normal(out_init_std); norms one; biases zero; A_log and dt_bias as `init_decay`.
+  """
+
+  def __init__(self, cfg: RecurrentConfig, d_model: int, *, init_std: float = 0.02, out_init_std=None,
+               dtype=jnp.float32, rngs: nnx.Rngs):
+    if not isinstance(cfg, RecurrentConfig):
+      raise TypeError(f"cfg must be a RecurrentConfig, got {type(cfg).__name__}")
+    self.cfg = cfg
+    self.d_model = d_model
+    self.dtype = dtype
+    H, HV, K, V = cfg.num_heads, cfg.HV, cfg.head_dim, cfg.V
+    init = nnx.initializers.normal(init_std)
+
+    def linear(n_in, n_out, bias=False, kernel_init=init):
+      return nnx.Linear(n_in, n_out, use_bias=bias, kernel_init=kernel_init, dtype=dtype, rngs=rngs)
+
+    self.q_proj = linear(d_model, H * K, cfg.qkv_bias)
+    self.k_proj = linear(d_model, H * K, cfg.qkv_bias)
+    self.v_proj = linear(d_model, HV * V, cfg.qkv_bias)
+    # One depthwise conv over [q | k | v] channels is three separate ones, with one state to carry.
+    self.conv = (ShortConv(2 * H * K + HV * V, cfg.conv_size, init_std=init_std, dtype=dtype, rngs=rngs)
+                 if cfg.short_conv else None)
+    # Each attribute is assigned once (a module or None): NNX fixes an attribute's data/static status on first set.
+    head, channel = cfg.decay == "head", cfg.decay == "channel"
+    self.a_proj = linear(d_model, HV) if head else None
+    self.f_a_proj = linear(d_model, cfg.decay_low_rank) if channel else None
+    self.f_b_proj = linear(cfg.decay_low_rank, HV * K) if channel else None
+    if cfg.decay != "none":
+      A_log, dt_bias = init_decay(rngs.params(), (HV,), (HV,) if head else (HV * K,), cfg.dt_init)
+      self.A_log, self.dt_bias = nnx.Param(A_log), nnx.Param(dt_bias)
+    else:
+      self.A_log = self.dt_bias = None
+    self.b_proj = (linear(d_model, HV if cfg.beta == "head" else HV * V) if cfg.beta != "none" else None)
+    self.g_proj = linear(d_model, HV * V) if cfg.output_gate != "none" else None
+    if not cfg.output_norm:
+      self.o_norm = None
+    elif cfg.output_gate != "none":
+      self.o_norm = GatedRMSNorm(V, eps=cfg.norm_eps, activation=cfg.output_gate)
+    else:
+      self.o_norm = RMSNorm(V, eps=cfg.norm_eps)
+    out_init = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
+    self.o_proj = linear(HV * V, d_model, cfg.out_bias, out_init)
+    self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
+
+  def init_cache(self, batch: int, max_len: int = 0) -> RecurrentCache:
+    """An empty cache; max_len is unused (the state does not grow) and kept for a uniform layer interface."""
+    cfg = self.cfg
+    conv = self.conv.init_state(batch) if self.conv is not None else None
+    return RecurrentCache(conv, jnp.zeros((batch, cfg.HV, cfg.head_dim, cfg.V), jnp.float32))
+
+  def __call__(self, x, *, segment_ids=None, cache: Optional[RecurrentCache] = None):
+    """x [B, T, D] -> (y [B, T, D], new cache or None).
+
+    With a cache, T == 1 runs `gated_delta_rule_step` (decoding); T > 1 runs the sequence op from the cached
+    state (prefill, possibly in pieces). segment_ids [B, T] restart the state (training on packed data).
+    """
+    cfg = self.cfg
+    if x.ndim != 3 or x.shape[-1] != self.d_model:
+      raise ValueError(f"x must be [B, T, d_model] with d_model={self.d_model}, got shape {x.shape}")
+    if cache is not None and segment_ids is not None:
+      raise ValueError("segment_ids cannot be combined with a cache: pass one sequence per batch row")
+    B, T, _ = x.shape
+    H, HV, K, V = cfg.num_heads, cfg.HV, cfg.head_dim, cfg.V
+
+    q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    conv_state = None
+    if self.conv is not None:
+      qkv, conv_state = self.conv(jnp.concatenate([q, k, v], axis=-1), segment_ids=segment_ids,
+                                  state=None if cache is None else cache.conv)
+      q, k, v = jnp.split(jax.nn.silu(qkv), [H * K, 2 * H * K], axis=-1)
+    q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
+    if cfg.qk_norm == "l2":
+      q, k = l2norm(q), l2norm(k)
+    # Divided here, as the seed does, so the op runs with scale 1 and the seed preset is reproduced exactly.
+    q = q / math.sqrt(K)
+
+    g = self._decay(x, B, T)
+    beta = None
+    if self.b_proj is not None:
+      beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+      if cfg.allow_neg_eigval:
+        beta = 2.0 * beta
+      beta = beta.reshape((B, T, HV) if cfg.beta == "head" else (B, T, HV, V))
+
+    S0 = None if cache is None else cache.S
+    if cache is not None and T == 1:
+      at0 = lambda a: None if a is None else a[:, 0]
+      o, S = ops.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], at0(g), at0(beta), state=S0, scale=1.0)
+      o = o[:, None]
+    else:
+      o, S = ops.gated_delta_rule(q, k, v, g, beta, scale=1.0, initial_state=S0, segment_ids=segment_ids,
+                                  method=cfg.method, chunk_size=cfg.chunk_size)
+
+    gate = None if self.g_proj is None else self.g_proj(x).reshape(B, T, HV, V)
+    if isinstance(self.o_norm, GatedRMSNorm):
+      o = self.o_norm(o, gate)
+    else:
+      if self.o_norm is not None:
+        o = self.o_norm(o)
+      if gate is not None:
+        o = (o.astype(jnp.float32) * ACTIVATIONS[cfg.output_gate](gate.astype(jnp.float32))).astype(o.dtype)
+    o = o.reshape(B, T, HV * V).astype(x.dtype)
+    # Inference (a cache) never drops out, so decoding needs no rng and a training-mode model decodes too.
+    o = self.dropout(o, deterministic=True) if cache is not None else self.dropout(o)
+    y = self.o_proj(o)
+    return y, (None if cache is None else RecurrentCache(conv_state, S))
+
+  def _decay(self, x, B, T):
+    """g = -exp(A_log) * softplus(a + dt_bias) in float32: [B, T, HV], [B, T, HV, K] or None."""
+    cfg = self.cfg
+    if cfg.decay == "none":
+      return None
+    A = jnp.exp(self.A_log[...])
+    if cfg.decay == "head":
+      return -A * jax.nn.softplus(self.a_proj(x).astype(jnp.float32) + self.dt_bias[...])
+    a = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32) + self.dt_bias[...]
+    return -A[:, None] * jax.nn.softplus(a.reshape(B, T, cfg.HV, cfg.head_dim))

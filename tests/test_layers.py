@@ -1,0 +1,224 @@
+"""Layers: every mixer switch builds and runs, the seed preset is the seed's class, causality, short conv.
+
+Shapes: B batch, T time, D d_model, H heads, K key dim, V value dim.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gdn.config import PRESETS, AttentionConfig, RecurrentConfig, recurrent_preset
+from gdn.layers import Attention, GatedRMSNorm, RMSNorm, RecurrentMixer, ShortConv, SwiGLU
+
+D = 32
+SMALL = dict(num_heads=2, head_dim=8, chunk_size=16)
+
+
+def _x(T=21, B=2, seed=0):
+  return jax.random.normal(jax.random.key(seed), (B, T, D), jnp.float32)
+
+
+@nnx.jit
+def _apply(layer, x):
+  return layer(x)[0]
+
+
+SWITCHES = {
+    **{name: recurrent_preset(name, **SMALL) for name in PRESETS},
+    # Each entry flips several switches at once, so that every switch value runs at least once.
+    "grouped_neg_eigval_biases_conv2": RecurrentConfig(num_v_heads=4, v_head_dim=12, allow_neg_eigval=True,
+                                                       qkv_bias=True, out_bias=True, conv_size=2, dropout=0.1,
+                                                       **SMALL),
+    "channel_beta_sigmoid_gate_no_norm_no_qk_norm": RecurrentConfig(
+        decay="channel", beta="channel", decay_low_rank=4, qk_norm="none", output_gate="sigmoid",
+        output_norm=False, dt_init="seed", **SMALL),
+    "no_gate_no_norm_no_conv_recurrent": RecurrentConfig(output_gate="none", output_norm=False, short_conv=False,
+                                                         method="recurrent", **SMALL),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SWITCHES))
+def test_every_switch_builds_and_runs(name):
+  cfg = SWITCHES[name]
+  layer = RecurrentMixer(cfg, D, rngs=nnx.Rngs(0))
+  y = _apply(layer, _x())
+  assert y.shape == (2, 21, D) and y.dtype == jnp.float32
+  assert bool(jnp.all(jnp.isfinite(y)))
+  assert float(jnp.abs(y).max()) > 0
+
+
+def test_switches_create_the_expected_parameters():
+  kda = RecurrentMixer(recurrent_preset("kda", decay_low_rank=4, **SMALL), D, rngs=nnx.Rngs(0))
+  assert kda.A_log.shape == (2,) and kda.dt_bias.shape == (2 * 8,)
+  assert kda.f_a_proj.kernel.shape == (D, 4) and kda.f_b_proj.kernel.shape == (4, 16)
+  seed = RecurrentMixer(recurrent_preset("seed", **SMALL), D, rngs=nnx.Rngs(0))
+  assert seed.conv is None and seed.b_proj.kernel.shape == (D, 16) and seed.o_proj.bias is not None
+  np.testing.assert_array_equal(seed.dt_bias[...], 1.0)
+  assert 0 < float(jnp.exp(seed.A_log[...]).max()) <= 16
+  gdn = RecurrentMixer(RecurrentConfig(num_v_heads=4, v_head_dim=12, **SMALL), D, rngs=nnx.Rngs(1))
+  assert gdn.conv.weight.shape == (4, 2 * 16 + 48) and gdn.b_proj.kernel.shape == (D, 4)
+  assert gdn.q_proj.bias is None and gdn.o_proj.bias is None
+  A = np.exp(np.asarray(gdn.A_log[...]))
+  dt = np.asarray(jax.nn.softplus(gdn.dt_bias[...]))
+  assert A.min() >= 1 and A.max() <= 16 and dt.min() >= 1e-3 * 0.999 and dt.max() <= 0.1 * 1.001
+  la = RecurrentMixer(recurrent_preset("linear_attention", **SMALL), D, rngs=nnx.Rngs(0))
+  assert la.A_log is None and la.b_proj is None and la.g_proj is None
+
+
+def _seed_forward(x, p, H, K):
+  """The seed's GatedDeltaNet.forward (section 6.6.4), transcribed line by line in float64 NumPy."""
+  sigmoid = lambda z: 1 / (1 + np.exp(-z))
+  softplus = lambda z: np.log1p(np.exp(z))
+  l2norm = lambda z: z * (1 / np.sqrt((z * z).sum(-1, keepdims=True) + 1e-6))
+  b, n, _ = x.shape
+  queries, keys, values = x @ p["Wq"] + p["bq"], x @ p["Wk"] + p["bk"], x @ p["Wv"] + p["bv"]
+  beta = sigmoid(x @ p["Wbeta"])
+  alpha = np.exp(-np.exp(p["A_log"]).reshape(1, 1, -1) * softplus(x @ p["Walpha"] + p["dt_bias"]))
+  gate = x @ p["Wgate"]
+  heads = lambda z: z.reshape(b, n, H, K).transpose(0, 2, 1, 3)
+  queries, keys, values, beta, gate = map(heads, (queries, keys, values, beta, gate))
+  queries = l2norm(queries) / (K**0.5)
+  keys = l2norm(keys)
+  S = np.zeros((b, H, K, K))
+  outs = []
+  for t in range(n):
+    k_t, q_t, v_t, b_t = keys[:, :, t], queries[:, :, t], values[:, :, t], beta[:, :, t]
+    a_t = alpha[:, t][..., None, None]
+    S = S * a_t
+    kv_mem = (S * k_t[..., None]).sum(-2)
+    delta = (v_t - kv_mem) * b_t
+    S = S + k_t[..., None] * delta[..., None, :]
+    outs.append((S * q_t[..., None]).sum(-2))
+  context = np.stack(outs, 2).transpose(0, 2, 1, 3)
+  context = context / np.sqrt((context**2).mean(-1, keepdims=True) + 1e-6) * p["norm_w"]
+  context = context * (gate.transpose(0, 2, 1, 3) * sigmoid(gate.transpose(0, 2, 1, 3)))
+  return context.reshape(b, n, H * K) @ p["Wout"] + p["bout"]
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_seed_preset_is_the_seed_class(qkv_bias):
+  H, K, T = 4, 8, 37
+  layer = RecurrentMixer(recurrent_preset("seed", num_heads=H, head_dim=K, chunk_size=16, qkv_bias=qkv_bias), D,
+                         rngs=nnx.Rngs(3))
+  rng = np.random.default_rng(0)
+  # Non-trivial norm weight and biases, so that a mis-wired parameter cannot hide behind a one or a zero.
+  layer.o_norm.weight[...] = jnp.asarray(rng.uniform(0.5, 1.5, K), jnp.float32)
+  layer.o_proj.bias[...] = jnp.asarray(rng.normal(size=D), jnp.float32)
+  for proj in (layer.q_proj, layer.k_proj, layer.v_proj, layer.b_proj, layer.a_proj, layer.g_proj, layer.o_proj):
+    proj.kernel[...] = jnp.asarray(rng.normal(size=proj.kernel.shape) / math.sqrt(proj.kernel.shape[0]),
+                                   jnp.float32)
+  if qkv_bias:
+    for proj in (layer.q_proj, layer.k_proj, layer.v_proj):
+      proj.bias[...] = jnp.asarray(rng.normal(size=proj.bias.shape), jnp.float32)
+  np64 = lambda a: np.asarray(a, np.float64)
+  zero = np.zeros(H * K)
+  p = dict(Wq=np64(layer.q_proj.kernel[...]), Wk=np64(layer.k_proj.kernel[...]), Wv=np64(layer.v_proj.kernel[...]),
+           bq=np64(layer.q_proj.bias[...]) if qkv_bias else zero, bk=np64(layer.k_proj.bias[...]) if qkv_bias else zero,
+           bv=np64(layer.v_proj.bias[...]) if qkv_bias else zero, Wbeta=np64(layer.b_proj.kernel[...]),
+           Walpha=np64(layer.a_proj.kernel[...]), A_log=np64(layer.A_log[...]), dt_bias=np64(layer.dt_bias[...]),
+           Wgate=np64(layer.g_proj.kernel[...]), norm_w=np64(layer.o_norm.weight[...]),
+           Wout=np64(layer.o_proj.kernel[...]), bout=np64(layer.o_proj.bias[...]))
+  x = _x(T=T, seed=1)
+  want = _seed_forward(np64(x), p, H, K)
+  with jax.default_matmul_precision("highest"):  # GPUs would otherwise run the float32 projections in TF32
+    got = np.asarray(_apply(layer, x), np.float64)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+LAYERS = {
+    **{name: (lambda name=name: RecurrentMixer(recurrent_preset(name, **SMALL), D, rngs=nnx.Rngs(0)))
+       for name in ("gated_deltanet", "kda")},
+    "attention": lambda: Attention(AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
+                                                   output_gate="sigmoid"), D, rngs=nnx.Rngs(0)),
+    "sliding_window": lambda: Attention(AttentionConfig(num_heads=2, head_dim=8, rope_fraction=0.5), D, window=5,
+                                        rngs=nnx.Rngs(0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_causality(name):
+  """The gradient of the output at t0 with respect to every input after t0 is exactly zero."""
+  layer = LAYERS[name]()
+  T, t0 = 21, 10
+
+  @nnx.jit
+  def grad_at(layer, x):
+    return jax.grad(lambda x: layer(x)[0][:, t0].sum())(x)
+
+  g = np.asarray(grad_at(layer, _x(T=T, B=1)))
+  assert np.all(g[:, t0 + 1:] == 0)
+  assert np.abs(g[:, :t0 + 1]).max() > 0
+  if name == "sliding_window":  # the window also bounds the past: t0 sees itself and the 4 tokens before
+    assert np.all(g[:, :t0 - 4] == 0) and np.abs(g[:, t0 - 4]).max() > 0
+
+
+def test_segments_do_not_leak():
+  """With packed segments, the second segment's outputs equal a fresh run over it alone."""
+  layer = RecurrentMixer(recurrent_preset("gated_deltanet", **SMALL), D, rngs=nnx.Rngs(0))
+  x = _x(T=27, B=1)
+  seg = jnp.asarray([[0] * 11 + [1] * 16], jnp.int32)
+  packed = nnx.jit(lambda l, x, s: l(x, segment_ids=s)[0])(layer, x, seg)
+  alone = _apply(layer, x[:, 11:])
+  np.testing.assert_allclose(packed[:, 11:], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_short_conv_matches_numpy_and_carries_state():
+  conv = ShortConv(6, 4, init_std=1.0, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 9, 6))
+  y, state = conv(x)
+  w, xn = np.asarray(conv.weight[...]), np.asarray(x)
+  xp = np.concatenate([np.zeros((2, 3, 6)), xn], 1)
+  want = sum(w[j] * xp[:, j:j + 9] for j in range(4))
+  np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(state, xn[:, -3:])
+  y1, s1 = conv(x[:, :5])
+  y2, _ = conv(x[:, 5:], state=s1)
+  np.testing.assert_allclose(jnp.concatenate([y1, y2], 1), y, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="state"):
+    conv(x, state=jnp.zeros((2, 2, 6)))
+
+
+def test_norms_and_mlp():
+  x = jax.random.normal(jax.random.key(0), (3, 8)) * 5
+  y = RMSNorm(8)(x)
+  np.testing.assert_allclose(jnp.mean(y * y, -1), 1.0, rtol=1e-4)
+  gate = jax.random.normal(jax.random.key(1), (3, 8))
+  np.testing.assert_allclose(GatedRMSNorm(8, activation="sigmoid")(x, gate), y * jax.nn.sigmoid(gate), rtol=1e-6)
+  assert SwiGLU(8, 16, rngs=nnx.Rngs(0))(x).shape == (3, 8)
+  with pytest.raises(ValueError, match="activation"):
+    GatedRMSNorm(8, activation="relu")
+
+
+def test_bad_input_raises_clear_errors():
+  layer = RecurrentMixer(RecurrentConfig(**SMALL), D, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="d_model"):
+    layer(jnp.zeros((1, 4, D + 1)))
+  with pytest.raises(ValueError, match="segment_ids"):
+    layer(jnp.zeros((1, 4, D)), segment_ids=jnp.zeros((1, 4), jnp.int32), cache=layer.init_cache(1))
+  with pytest.raises(ValueError, match="allow_neg_eigval"):
+    RecurrentConfig(beta="none", allow_neg_eigval=True)
+  with pytest.raises(ValueError, match="window"):
+    Attention(AttentionConfig(num_heads=2, head_dim=8), D, window=-1, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="method"):
+    RecurrentConfig(method="fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [0, 5])
+def test_cudnn_attention_matches_xla_in_bfloat16(window):
+  """"auto" takes cuDNN's fused kernel for 16-bit inputs on a GPU; it must agree with the XLA path."""
+  kw = dict(num_heads=4, num_kv_heads=2, head_dim=64, output_gate="sigmoid", qk_norm=True, rope_fraction=0.5)
+  auto = Attention(AttentionConfig(**kw), 128, window=window, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  xla = Attention(AttentionConfig(implementation="xla", **kw), 128, window=window, dtype=jnp.bfloat16,
+                  rngs=nnx.Rngs(0))
+  assert auto._implementation(jnp.bfloat16, False) == "cudnn"
+  x = jax.random.normal(jax.random.key(0), (2, 100, 128), jnp.bfloat16)
+  loss = lambda layer, x: jnp.sum(layer(x)[0].astype(jnp.float32) ** 2)
+  (ya, ga), (yx, gx) = (nnx.jit(lambda l, x: (l(x)[0], jax.grad(loss, argnums=1)(l, x)))(m, x) for m in (auto, xla))
+  rel = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max() / jnp.abs(
+      b.astype(jnp.float32)).max())
+  assert rel(ya, yx) < 2e-2 and rel(ga, gx) < 5e-2
