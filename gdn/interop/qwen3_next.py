@@ -1,0 +1,142 @@
+"""Import Hugging Face transformers' Qwen3-Next layers: `Qwen3NextGatedDeltaNet` into `RecurrentMixer` and the
+gated `Qwen3NextAttention` into `Attention`.
+
+Gated DeltaNet (keys under e.g. "model.layers.0.linear_attn."):
+  in_proj_qkvz [2*H*K + 2*HV*V, D] is grouped by q/k head: for each of the H heads, [q (K), k (K), v (G*V),
+  z (G*V)] rows, G = HV // H; in_proj_ba [2*HV, D] likewise [b (G), a (G)] per q/k head. Value head i is
+  v-group i // G, slot i % G, so value head i reads q/k head i // G, as in our op.
+  conv1d [2*H*K + HV*V, 1, W] runs over [q | k | v] channels (our conv's order), then SiLU; no bias.
+  beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), q and k L2-normalised (eps 1e-6), q / sqrt(K).
+  norm = RMSNormGated(V, rms_norm_eps): weight * RMSNorm(o) * silu(z) (a plain weight, not 1 + w); out_proj.
+Gated attention (keys under e.g. "model.layers.3.self_attn."):
+  q_proj [N*2E, D] gives per head [query (E), gate (E)], our Attention's layout; k_proj, v_proj [G*E, D];
+  q_norm / k_norm are Qwen3NextRMSNorm, which scales by (1 + w): imported as our RMSNorm weight 1 + w (the same
+  float32 number torch multiplies by). RoPE on the first int(E * partial_rotary_factor) dims, half-split pairs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gdn.config import AttentionConfig, RecurrentConfig
+from gdn.interop.state_dict import Tensors, assign, field, linear, target
+from gdn.layers.attention import Attention
+from gdn.layers.recurrent import RecurrentMixer
+
+
+def gated_deltanet_config(hf_config, **overrides) -> tuple:
+  """(RecurrentConfig, d_model) from a `Qwen3NextConfig` or its config.json dict. `overrides`: our fields that
+  the source has no counterpart for (method, chunk_size)."""
+  act = field(hf_config, "hidden_act", "silu")
+  if act not in ("silu", "swish"):
+    raise ValueError(f"hf_config.hidden_act={act!r}: the Gated DeltaNet's conv activation must be silu")
+  cfg = RecurrentConfig(num_heads=field(hf_config, "linear_num_key_heads"),
+                        num_v_heads=field(hf_config, "linear_num_value_heads"),
+                        head_dim=field(hf_config, "linear_key_head_dim"),
+                        v_head_dim=field(hf_config, "linear_value_head_dim"),
+                        decay="head", beta="head", short_conv=True,
+                        conv_size=field(hf_config, "linear_conv_kernel_dim"),
+                        output_gate="silu", output_norm=True, qk_norm="l2", qkv_bias=False, out_bias=False,
+                        norm_eps=float(field(hf_config, "rms_norm_eps")), **overrides)
+  return cfg, field(hf_config, "hidden_size")
+
+
+def gated_deltanet_params(state_dict, cfg: RecurrentConfig, d_model: int, *, prefix: str = "") -> dict:
+  """Nested NumPy params of `RecurrentMixer(cfg, d_model)` from a `Qwen3NextGatedDeltaNet` state_dict."""
+  t = state_dict if isinstance(state_dict, Tensors) else Tensors(state_dict, prefix)
+  H, HV, K, V, W, D = cfg.num_heads, cfg.HV, cfg.head_dim, cfg.V, cfg.conv_size, d_model
+  G = HV // H
+  qkvz = t.take("in_proj_qkvz.weight", (2 * H * K + 2 * HV * V, D)).reshape(H, 2 * K + 2 * G * V, D)
+  q, k, v, z = np.split(qkvz, [K, 2 * K, 2 * K + G * V], axis=1)
+  ba = t.take("in_proj_ba.weight", (2 * HV, D)).reshape(H, 2 * G, D)
+  b, a = ba[:, :G], ba[:, G:]
+  kernel = lambda w: {"kernel": w.reshape(-1, D).T}  # [H, rows, D] -> [D, H * rows], head-major like torch's view
+  p = {
+      "q_proj": kernel(q),
+      "k_proj": kernel(k),
+      "v_proj": kernel(v),
+      "g_proj": kernel(z),
+      "b_proj": kernel(b),
+      "a_proj": kernel(a),
+      "conv": {"weight": t.take("conv1d.weight", (2 * H * K + HV * V, 1, W))[:, 0, :].T},
+      "A_log": t.take("A_log", (HV,)),
+      "dt_bias": t.take("dt_bias", (HV,)),
+      "o_norm": {"weight": t.take("norm.weight", (V,))},
+      "o_proj": linear(t, "out_proj", HV * V, D),
+  }
+  t.check_consumed()
+  return p
+
+
+def load_gated_deltanet(state_dict, hf_config, *, prefix: str = "", module: Optional[RecurrentMixer] = None,
+                        dtype=jnp.float32, rngs: Optional[nnx.Rngs] = None, **overrides) -> RecurrentMixer:
+  """A `RecurrentMixer` holding a `Qwen3NextGatedDeltaNet`'s weights (filled in place when `module` is given).
+
+  state_dict: the layer's `state_dict()`, any mapping of names to tensors, or a safetensors file, sharded index
+  or folder; prefix selects one layer of a model checkpoint (e.g. "model.layers.0.linear_attn.").
+  """
+  t = Tensors(state_dict, prefix)
+  cfg, d_model = gated_deltanet_config(hf_config, **overrides)
+  module = target(module, lambda: RecurrentMixer(cfg, d_model, dtype=dtype, rngs=rngs or nnx.Rngs(0)), cfg, d_model)
+  return assign(module, gated_deltanet_params(t, cfg, d_model))
+
+
+def _rope(hf_config) -> tuple:
+  """(rope_theta, partial_rotary_factor): transformers 5 keeps them in rope_parameters, 4.x on the config."""
+  rope = field(hf_config, "rope_parameters", None) or {}
+  kind = rope.get("rope_type", "default")
+  if kind != "default":
+    raise ValueError(f"hf_config rope_type={kind!r}: our Attention implements plain RoPE ('default') only")
+  theta = rope.get("rope_theta", field(hf_config, "rope_theta", 10000.0))
+  fraction = rope.get("partial_rotary_factor", field(hf_config, "partial_rotary_factor", 1.0))
+  return float(theta), float(fraction)
+
+
+def attention_config(hf_config, **overrides) -> tuple:
+  """(AttentionConfig, d_model, norm_eps) from a `Qwen3NextConfig` or its config.json dict; norm_eps is
+  `Attention`'s constructor argument for the q/k norms. `overrides`: e.g. implementation."""
+  if field(hf_config, "attention_bias", False):
+    raise ValueError("hf_config.attention_bias=True: our Attention's projections have no bias")
+  N, D = field(hf_config, "num_attention_heads"), field(hf_config, "hidden_size")
+  theta, fraction = _rope(hf_config)
+  cfg = AttentionConfig(num_heads=N, num_kv_heads=field(hf_config, "num_key_value_heads", N),
+                        head_dim=field(hf_config, "head_dim", None) or D // N, rope_theta=theta,
+                        rope_fraction=fraction, output_gate="sigmoid", qk_norm=True, **overrides)
+  return cfg, D, float(field(hf_config, "rms_norm_eps"))
+
+
+def attention_params(state_dict, cfg: AttentionConfig, d_model: int, *, prefix: str = "") -> dict:
+  """Nested NumPy params of `Attention(cfg, d_model)` from a `Qwen3NextAttention` state_dict."""
+  t = state_dict if isinstance(state_dict, Tensors) else Tensors(state_dict, prefix)
+  N, G, E, D = cfg.num_heads, cfg.KVH, cfg.head_dim, d_model
+  p = {
+      "q_proj": linear(t, "q_proj", D, 2 * N * E),
+      "k_proj": linear(t, "k_proj", D, G * E),
+      "v_proj": linear(t, "v_proj", D, G * E),
+      "o_proj": linear(t, "o_proj", N * E, D),
+      # Qwen3NextRMSNorm multiplies by (1 + w) in float32; 1 + w is that same float32 number.
+      "q_norm": {"weight": 1.0 + t.take("q_norm.weight", (E,))},
+      "k_norm": {"weight": 1.0 + t.take("k_norm.weight", (E,))},
+  }
+  t.check_consumed()
+  return p
+
+
+def load_attention(state_dict, hf_config, *, prefix: str = "", module: Optional[Attention] = None, window: int = 0,
+                   dtype=jnp.float32, rngs: Optional[nnx.Rngs] = None, **overrides) -> Attention:
+  """An `Attention` holding a `Qwen3NextAttention`'s weights (filled in place when `module` is given).
+
+  state_dict: as `load_gated_deltanet`; prefix e.g. "model.layers.3.self_attn.". window > 0 makes a sliding-window
+  layer from the same weights (Qwen3-Next itself attends globally).
+  """
+  t = Tensors(state_dict, prefix)
+  cfg, d_model, eps = attention_config(hf_config, **overrides)
+  build = lambda: Attention(cfg, d_model, window=window, norm_eps=eps, dtype=dtype, rngs=rngs or nnx.Rngs(0))
+  module = target(module, build, cfg, d_model)
+  if module.q_norm.eps != eps:
+    raise ValueError(f"module's q/k norm eps is {module.q_norm.eps}, hf_config.rms_norm_eps {eps}")
+  return assign(module, attention_params(t, cfg, d_model))
