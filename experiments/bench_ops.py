@@ -6,6 +6,7 @@ one run. Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head decay and be
   python -m experiments.bench_ops --preset cpu
   python -m experiments.bench_ops --preset h200 --dtype bfloat16
   python -m experiments.bench_ops --preset memory      # forward+backward memory with and without remat
+  python -m experiments.bench_ops --preset long        # many chunks, little batch: chunk vs associative
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ PRESETS = {
     "h200": dict(shapes=[(4, 2048, 16, 128), (2, 16384, 16, 128), (1, 8192, 96, 128), (4, 4096, 64, 128),
                          (8, 1024, 8, 64)],
                  methods=["plain_port", "chunk", "associative"]),
-    "memory": dict(shapes=[(1, 65536, 4, 64)], methods=["chunk", "chunk_no_remat", "associative"]),
+    "memory": dict(shapes=[(1, 65536, 4, 64)], methods=["chunk", "chunk_remat", "associative"]),
+    "long": dict(shapes=[(1, 65536, 2, 64), (1, 262144, 1, 64)], methods=["chunk", "associative"]),
 }
 
 
@@ -75,11 +77,14 @@ def plain_port(q, k, v, g, beta, *, chunk_size=64):
 
 
 def make_fn(method, dims):
+  """`method` is a gdn method name, "plain_port", or a chunk variant: "chunk_remat", "chunk_triangular",
+  "chunk_blocked" (the triangular solver forced)."""
   if method == "plain_port":
     return lambda q, k, v, g, b: plain_port(q, k, v, g, b)[0].astype(v.dtype)
-  remat = method != "chunk_no_remat"
-  impl = chunk if method == "chunk_no_remat" else _IMPLS[method]
-  kw = dict(remat=remat) if method != "recurrent" else {}
+  impl, kw = _IMPLS.get(method), {}
+  if method.startswith("chunk_"):
+    impl, variant = chunk, method[len("chunk_"):]
+    kw = dict(remat=True) if variant == "remat" else dict(solver=variant)
 
   def f(q, k, v, g, b):
     return impl(q, k, v, g, b, scale=dims.K**-0.5, initial_state=None, segment_ids=None, dims=dims,
@@ -136,6 +141,7 @@ def main(argv=None):
   p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
   p.add_argument("--methods", nargs="*", help="override the preset's methods")
   p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--shapes", nargs="*", help="override the preset's shapes, each as B,T,H,D")
   a = p.parse_args(argv)
   preset = PRESETS[a.preset]
   methods = a.methods or preset["methods"]
@@ -144,7 +150,8 @@ def main(argv=None):
         f"chunk 64, median of {a.reps}")
   print("| B, T, H, D | method | fwd ms | fwd+bwd ms | fwd mem MiB | fwd+bwd mem MiB |")
   print("|---|---|---|---|---|---|")
-  for shape in preset["shapes"]:
+  shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else preset["shapes"]
+  for shape in shapes:
     for method in methods:
       try:
         r = bench(shape, method, dtype, a.reps, skip_time=a.preset == "memory")

@@ -294,3 +294,20 @@ def test_step_bad_input():
     ops.gated_delta_rule_step(z(1, 2, 4), z(1, 2, 4), z(1, 2, 3), state=None)
   with pytest.raises(ValueError, match="beta_t must be"):
     ops.gated_delta_rule_step(z(1, 2, 4), z(1, 2, 4), z(1, 2, 3), beta_t=z(1, 3), state=z(1, 2, 4, 3))
+
+
+def test_triangular_solver_matches_blocked():
+  """The `lax.linalg.triangular_solve` path (kept for comparison) equals the default blocked inverse."""
+  from gdn.ops import checks
+  from gdn.ops.chunk import chunk
+
+  for variant in (("head", "head"), ("channel", "head")):
+    x = make_inputs(13, 1, 70, 1, 2, 8, 8, *variant, segments=True)
+    a = {n: None if x[n] is None else jnp.asarray(x[n]) for n in x}
+    dims = checks.check_sequence(a["q"], a["k"], a["v"], a["g"], a["beta"], a["initial_state"],
+                                 a["segment_ids"], None, "chunk", 32)
+    o_ref, S_ref, _ = oracle(x)
+    for solver in ("triangular", "blocked"):
+      o, S = chunk(a["q"], a["k"], a["v"], a["g"], a["beta"], scale=8**-0.5, initial_state=a["initial_state"],
+                   segment_ids=a["segment_ids"], dims=dims, chunk_size=32, solver=solver)
+      assert rel(np.asarray(o, np.float64), o_ref) < 1e-5 and rel(np.asarray(S, np.float64), S_ref) < 1e-5

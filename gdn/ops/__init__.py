@@ -1,6 +1,7 @@
 """The gated delta rule as pure functions of arrays (no Flax)."""
 
 from gdn.ops.api import gated_delta_rule
+from gdn.ops.context_parallel import context_parallel_gated_delta_rule
 from gdn.ops.recurrent import gated_delta_rule_step
 
-__all__ = ["gated_delta_rule", "gated_delta_rule_step"]
+__all__ = ["gated_delta_rule", "gated_delta_rule_step", "context_parallel_gated_delta_rule"]

@@ -16,9 +16,15 @@ _IMPLS = {"recurrent": recurrent, "chunk": chunk, "associative": associative}
 
 
 def pick_method(dims: checks.Dims, chunk_size: int) -> str:
-  """`method="auto"`: the token scan for a handful of tokens (decode), else the chunked form."""
+  """`method="auto"`: the token scan for a handful of tokens (decode); on accelerators the associative scan
+  when the batch's states are small (B HV K V <= 2^19: then each sequential chunk step is latency-bound and
+  log depth wins: 9x at (B, T, H, D) = (1, 65536, 2, 64) on an H200), else the sequential chunk scan.
+  docs/benchmarks.md has the measurements behind the threshold."""
   if dims.T <= 8:
     return "recurrent"
+  small_state = dims.B * dims.HV * dims.K * dims.V <= 2**19
+  if jax.default_backend() != "cpu" and small_state and dims.beta_kind != "channel" and dims.T > chunk_size:
+    return "associative"
   return "chunk"
 
 

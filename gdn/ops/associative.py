@@ -7,16 +7,55 @@ Shapes: B batch, HV value heads, N chunks, C chunk size, K key dim, V value dim.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from gdn.ops import checks
+from gdn.ops import checks, intra_chunk
 from gdn.ops.chunk import STATES, finish, initial, prepare, write_vectors
 
 
+def chunk_maps(loc: intra_chunk.Local, prec):
+  """Per-chunk maps (M_n, B_n): M_n [B, HV, N, K, K], or without the delta rule (W is None) only its
+  diagonal [B, HV, N, 1 or K], which keeps the scan (and a context-parallel all-gather) K times smaller."""
+  dot = lambda spec, *xs: jnp.einsum(spec, *xs, precision=prec)
+  Bn = dot("...ck,...cv->...kv", loc.k_end, loc.U)
+  if loc.W is None:
+    return loc.decay, Bn
+  eye = jnp.eye(loc.k_end.shape[-1], dtype=Bn.dtype)
+  return loc.decay[..., :, None] * eye - dot("...ck,...cj->...kj", loc.k_end, loc.W), Bn
+
+
+def apply(M, X, prec):
+  """M X for a full M [.., K, K], or for a diagonal M [.., 1 or K] (one axis fewer than X [.., K, V])."""
+  if M.ndim < X.ndim:
+    return M[..., None] * X
+  return jnp.einsum("...ij,...jv->...iv", M, X, precision=prec)
+
+
+def compose(first, then, prec):
+  """The map `then o first` of two maps (M, B) (either or both stacked along leading axes)."""
+  (m1, b1), (m2, b2) = first, then
+  m = m2 * m1 if m1.ndim < b1.ndim else apply(m2, m1, prec)
+  return m, apply(m2, b1, prec) + b2
+
+
+def cumulative_maps(loc: intra_chunk.Local, prec):
+  """(Mc_n, Bc_n): the composition of chunks 0..n, for every n, by an associative scan along N."""
+  return jax.lax.associative_scan(functools.partial(compose, prec=prec), chunk_maps(loc, prec), axis=2)
+
+
+def states_from_maps(Mc, Bc, S0, prec):
+  """Entering states S_in [B, HV, N, K, V] and the end state [B, HV, K, V] from cumulative maps and S0."""
+  S_end = apply(Mc, S0[:, :, None], prec) + Bc
+  S_in = jnp.concatenate([S0[:, :, None], S_end[:, :, :-1]], axis=2)
+  return S_in, S_end[:, :, -1]
+
+
 def associative(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.Dims, chunk_size: int,
-                remat: bool = True):
+                remat: bool = False):
   """`method="associative"`. Declines per-value-channel beta (its maps would be [V, K, K] per chunk)."""
   if dims.beta_kind == "channel":
     raise ValueError("method='associative' does not support per-value-channel beta ([B, T, HV, V]); "
@@ -25,29 +64,11 @@ def associative(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: ch
   def run(q, k, v, g, beta, initial_state, segment_ids):
     loc, vc, bc, N, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
                                         chunk_size=chunk_size)
-    dot = lambda spec, *xs: jnp.einsum(spec, *xs, precision=prec)
-    Bn = dot("...ck,...cv->...kv", loc.k_end, loc.U)  # [B, HV, N, K, V]
-    S0 = initial(initial_state, dims, cdt)
-    if loc.W is None:
-      # No delta rule: M_n is diagonal, kept as its diagonal [.., 1 or K].
-      def combine(a, b):
-        (m1, b1), (m2, b2) = a, b
-        return m2 * m1, m2[..., None] * b1 + b2
-      Mc, Bc = jax.lax.associative_scan(combine, (loc.decay, Bn), axis=2)
-      S_end = Mc[..., None] * S0[:, :, None] + Bc
-    else:
-      K = dims.K
-      eye = jnp.eye(K, dtype=cdt)
-      Mn = loc.decay[..., :, None] * eye - dot("...ck,...cj->...kj", loc.k_end, loc.W)  # [.., K, K]
-      def combine(a, b):
-        (m1, b1), (m2, b2) = a, b
-        return dot("...ij,...jk->...ik", m2, m1), dot("...ij,...jv->...iv", m2, b1) + b2
-      Mc, Bc = jax.lax.associative_scan(combine, (Mn, Bn), axis=2)
-      S_end = dot("...ij,...jv->...iv", Mc, S0[:, :, None]) + Bc
-    S_in = jnp.concatenate([S0[:, :, None], S_end[:, :, :-1]], axis=2)
+    Mc, Bc = cumulative_maps(loc, prec)
+    S_in, S_T = states_from_maps(Mc, Bc, initial(initial_state, dims, cdt), prec)
     S_in = checkpoint_name(S_in, STATES)
     U = write_vectors(loc, S_in, bc, prec)
-    return finish(loc, S_in, U, prec, dims, chunk_size), S_end[:, :, -1]
+    return finish(loc, S_in, U, prec, dims, chunk_size), S_T
 
   if remat:
     run = jax.checkpoint(run, policy=jax.checkpoint_policies.save_only_these_names(STATES))

@@ -51,7 +51,7 @@ def _segment_masks(segment_ids, B, T, N, C):
   return same, carries, reaches_end, unbroken
 
 
-def prepare(q, k, v, g, beta, *, scale, segment_ids, dims: checks.Dims, chunk_size: int):
+def prepare(q, k, v, g, beta, *, scale, segment_ids, dims: checks.Dims, chunk_size: int, solver="blocked"):
   """Pad, chunk and compute the chunk-local quantities. Returns (Local, v_chunks, beta_chunks, N, cdt, prec)."""
   B, T, HV = dims.B, dims.T, dims.HV
   C = chunk_size
@@ -65,7 +65,14 @@ def prepare(q, k, v, g, beta, *, scale, segment_ids, dims: checks.Dims, chunk_si
   gc = _to_chunks(cast(g), N, C, T)
   bc = _to_chunks(cast(beta), N, C, T)
   masks = _segment_masks(segment_ids, B, T, N, C)
-  loc = intra_chunk.local(qc, kc, vc, gc, bc, masks, beta_kind=dims.beta_kind, prec=prec)
+  # One flat batch axis for the chunk-local work: XLA:CPU has crashed compiling the backward of batched
+  # matmuls with three leading batch axes.
+  lead = (B, HV, N)
+  flat = lambda x: None if x is None else jnp.broadcast_to(x, lead + x.shape[3:]).reshape((-1,) + x.shape[3:])
+  masks = None if masks is None else tuple(map(flat, masks))
+  loc = intra_chunk.local(flat(qc), flat(kc), flat(vc), flat(gc), flat(bc), masks, beta_kind=dims.beta_kind,
+                          prec=prec, solver=solver)
+  loc = jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), loc)
   return loc, vc, bc, N, cdt, prec
 
 
@@ -91,6 +98,24 @@ def next_state(loc_n, S, U, prec):
   return loc_n.decay[..., None] * S + jnp.einsum("...ck,...cv->...kv", loc_n.k_end, U, precision=prec)
 
 
+def scan_chunks(loc: intra_chunk.Local, beta_c, S0, prec, collect: bool = True):
+  """The chunk-to-chunk recurrence as a sequential `lax.scan` from S0 [B, HV, K, V'] (V' may differ from V
+  when the caller scans a stacked state). Returns the end state and, with `collect`, the entering states
+  S_in [B, HV, N, K, V'] and write vectors U [B, HV, N, C, V'] (else None, None)."""
+  n_first = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)
+
+  def body(S, xs):
+    loc_n, b_n = xs
+    U = write_vectors(loc_n, S, b_n, prec)
+    return next_state(loc_n, S, U, prec), ((S, U) if collect else None)
+
+  S_T, ys = jax.lax.scan(body, S0, (jax.tree.map(n_first, loc), n_first(beta_c)))
+  if not collect:
+    return S_T, None, None
+  S_in, U = ys
+  return S_T, jnp.moveaxis(S_in, 0, 2), jnp.moveaxis(U, 0, 2)
+
+
 def finish(loc, S_in, U, prec, dims: checks.Dims, C: int):
   """o = Q_dec S_in + P U, back to [B, T, HV, V]."""
   o = (jnp.einsum("...ck,...kv->...cv", loc.q_dec, S_in, precision=prec)
@@ -107,25 +132,16 @@ def initial(initial_state, dims, cdt):
 
 
 def chunk(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.Dims, chunk_size: int,
-          remat: bool = True):
+          remat: bool = False, solver: str = "blocked"):
   """`method="chunk"`. With `remat`, the backward keeps only the chunk-entering states and recomputes the
-  chunk-local work (saving memory at long T); without it, autodiff keeps every intermediate."""
+  chunk-local work; off by default because it did not lower XLA's peak memory (docs/benchmarks.md)."""
 
   def run(q, k, v, g, beta, initial_state, segment_ids):
     loc, vc, bc, N, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
-                                        chunk_size=chunk_size)
-    n_first = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)
-    per_chunk = jax.tree.map(n_first, loc)
-    bc_n = n_first(bc)
-
-    def body(S, xs):
-      loc_n, b_n = xs
-      U = write_vectors(loc_n, S, b_n, prec)
-      return next_state(loc_n, S, U, prec), (S, U)
-
-    S_T, (S_in, U) = jax.lax.scan(body, initial(initial_state, dims, cdt), (per_chunk, bc_n))
-    S_in = checkpoint_name(jnp.moveaxis(S_in, 0, 2), STATES)
-    return finish(loc, S_in, jnp.moveaxis(U, 0, 2), prec, dims, chunk_size), S_T
+                                        chunk_size=chunk_size, solver=solver)
+    S_T, S_in, U = scan_chunks(loc, bc, initial(initial_state, dims, cdt), prec)
+    S_in = checkpoint_name(S_in, STATES)
+    return finish(loc, S_in, U, prec, dims, chunk_size), S_T
 
   if remat:
     run = jax.checkpoint(run, policy=jax.checkpoint_policies.save_only_these_names(STATES))

@@ -119,10 +119,11 @@ def _pair_channel(q, k, g, dot):
   return A_o + blockdiag(A_d), P_o + blockdiag(P_d)
 
 
-def local(q, k, v, g, beta, masks, *, beta_kind: str, prec) -> Local:
+def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "blocked") -> Local:
   """Chunk-local quantities for L = B*HV*N chunks. q (already scaled), k [L,C,K]; v [L,C,V];
   g None, [L,C] or [L,C,K]; beta None, [L,C] or [L,C,V];
-  masks None or (same [L,C,C], carries [L,C], reaches_end [L,C], unbroken [L,1])."""
+  masks None or (same [L,C,C], carries [L,C], reaches_end [L,C], unbroken [L,1]).
+  solver: "triangular" (`lax.linalg.triangular_solve`) or "blocked" (`invert_unit_lower`, then a matmul)."""
   dot = _dot(prec)
   C = k.shape[-2]
   if g is None:
@@ -158,7 +159,10 @@ def local(q, k, v, g, beta, masks, *, beta_kind: str, prec) -> Local:
     return Local(q_dec, k_dec, k_end, decay, P, A, None, v)
   b = beta[..., None]
   rhs = jnp.concatenate([b * k_dec, b * v], axis=-1)
-  X = solve_unit_lower(b * A, rhs)
+  if solver == "blocked":
+    X = jnp.einsum("...ti,...ix->...tx", invert_unit_lower(b * A, prec), rhs, precision=prec)
+  else:
+    X = solve_unit_lower(b * A, rhs)
   K = k.shape[-1]
   return Local(q_dec, k_dec, k_end, decay, P, A, X[..., :K], X[..., K:])
 
@@ -167,3 +171,33 @@ def solve_unit_lower(L, rhs):
   """(I + L)^{-1} rhs for strictly lower-triangular L: forward substitution, exact for any L (a Neumann
   series in L overflows when keys inside a chunk are correlated)."""
   return jax.lax.linalg.triangular_solve(L, rhs, left_side=True, lower=True, unit_diagonal=True)
+
+
+def invert_unit_lower(L, prec, block: int = 16):
+  """(I + L)^{-1} [.., C, C] for strictly lower-triangular L, by forward substitution inside diagonal blocks
+  of `block` rows, then merging pairs of diagonal blocks with matmuls:
+  [[A, 0], [X, D]]^{-1} = [[A^-1, 0], [-D^-1 X A^-1, D^-1]]. Exact algebra, like a triangular solve, but
+  made of batched matmuls, which is what GPUs run fast."""
+  C = L.shape[-1]
+  s = block if C % block == 0 and (C // block) & (C // block - 1) == 0 else C
+  lead = L.shape[:-2]
+  nb = C // s
+  # Diagonal blocks [.., nb, s, s]: row r of the inverse is e_r - sum_{j<r} L_rj T_j.
+  Lb = L.reshape(lead + (nb, s, nb, s))
+  Ld = jnp.einsum("...bibj->...bij", Lb) if nb > 1 else Lb[..., 0, :, 0, :][..., None, :, :]
+  T = jnp.broadcast_to(jnp.eye(s, dtype=L.dtype), Ld.shape)
+  for r in range(1, s):
+    row = jnp.eye(s, dtype=L.dtype)[r] - jnp.einsum("...j,...jk->...k", Ld[..., r, :r], T[..., :r, :],
+                                                     precision=prec)
+    T = T.at[..., r, :].set(row)
+  # Merge pairs of diagonal blocks until one block spans the chunk.
+  while T.shape[-3] > 1:
+    m, w = T.shape[-3] // 2, T.shape[-1]
+    Lw = L.reshape(lead + (2 * m, w, 2 * m, w))
+    A, D = T[..., 0::2, :, :], T[..., 1::2, :, :]
+    X = jnp.stack([Lw[..., 2 * i + 1, :, 2 * i, :] for i in range(m)], axis=-3)
+    off = -jnp.einsum("...ij,...jk,...kl->...il", D, X, A, precision=prec)
+    top = jnp.concatenate([A, jnp.zeros_like(A)], axis=-1)
+    bottom = jnp.concatenate([off, D], axis=-1)
+    T = jnp.concatenate([top, bottom], axis=-2)
+  return T[..., 0, :, :]
