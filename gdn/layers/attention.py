@@ -132,23 +132,28 @@ class Attention(nnx.Module):
     return self.o_proj(o.reshape(B, T, N * E)), new_cache
 
   def _attend_cached(self, q, k, v, positions, cache: KVCache):
-    """Attend over [cached keys, new keys] (before writing, so a ring slot about to be overwritten still counts),
-    then write the last min(T, L) new keys into their slots."""
+    """Attend over [cached keys, new keys] (before writing, so a ring slot about to be overwritten still counts)
+    and write the last min(T, L) new keys into their slots; one decoded token attends over the written cache."""
     B, T = q.shape[:2]
     L = cache.kpos.shape[0]
     if cache.k.shape[0] != B:
       raise ValueError(f"cache batch {cache.k.shape[0]} does not match x's batch {B}")
-    kk = jnp.concatenate([cache.k, k.astype(cache.k.dtype)], axis=1)
-    vv = jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1)
-    kpos = jnp.concatenate([cache.kpos, positions])  # [S]
-    ok = (kpos[None, :] >= 0) & (kpos[None, :] <= positions[:, None])
-    if self.window:
-      ok = ok & (positions[:, None] - kpos[None, :] < self.window)
-    # XLA: the ring's positions need a dense mask, which cuDNN's fused kernel does not take.
-    o = jax.nn.dot_product_attention(q.astype(kk.dtype), kk, vv, mask=ok[None, None])
     n = min(T, L)
     slots = positions[T - n:] % L
     new = KVCache(cache.k.at[:, slots].set(k[:, T - n:].astype(cache.k.dtype)),
                   cache.v.at[:, slots].set(v[:, T - n:].astype(cache.v.dtype)),
                   cache.kpos.at[slots].set(positions[T - n:]), cache.pos + T)
+    if T == 1:
+      # Decoding: write first and attend over the cache in place (no copy of every layer's K/V per token).
+      # The slot overwritten held position p - L, outside the window (L = window) or never filled (L = max_len).
+      kk, vv, kpos = new.k, new.v, new.kpos
+    else:
+      kk = jnp.concatenate([cache.k, k.astype(cache.k.dtype)], axis=1)
+      vv = jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1)
+      kpos = jnp.concatenate([cache.kpos, positions])  # [S]
+    ok = (kpos[None, :] >= 0) & (kpos[None, :] <= positions[:, None])
+    if self.window:
+      ok = ok & (positions[:, None] - kpos[None, :] < self.window)
+    # XLA: the ring's positions need a dense mask, which cuDNN's fused kernel does not take.
+    o = jax.nn.dot_product_attention(q.astype(kk.dtype), kk, vv, mask=ok[None, None])
     return o.astype(q.dtype), new
