@@ -1,0 +1,55 @@
+"""The base config: every key any run reads, at its default (the fields of gdn.train.ExperimentConfig).
+
+Experiment files call `get_config()` here and change a few fields; `mixer()` and `width()` spell common model
+changes as "key=value" overrides, the form sweeps and the command line share.
+"""
+
+import dataclasses
+
+from gdn.config import PRESETS, RecurrentConfig
+from gdn.train.config import ConfigError
+from gdn.train.config_file import apply_overrides, base_config
+
+MIXERS = ("attention", "linear_attention", "gla_mamba2", "deltanet", "gated_deltanet", "kda")
+
+
+def get_config():
+  return base_config()
+
+
+def _text(v) -> str:
+  return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def mixer(name: str, pattern: str = "R", **overrides) -> tuple:
+  """Overrides selecting a mixer: "attention", or a recurrent preset of gdn.config.PRESETS in `pattern`.
+
+  Every switch that some preset sets (and allow_neg_eigval) is spelled out, at its RecurrentConfig default
+  unless the preset or `overrides` change it, so the result does not depend on the config it is applied to.
+  """
+  if name == "attention":
+    return ("model.pattern=A",)
+  if name not in PRESETS:
+    raise ConfigError(f"unknown mixer {name!r}; choose from attention, {', '.join(sorted(PRESETS))}")
+  defaults = dataclasses.asdict(RecurrentConfig())
+  switches = sorted({k for p in PRESETS.values() for k in p} | {"allow_neg_eigval"})
+  fields = {**{k: defaults[k] for k in switches}, **PRESETS[name], **overrides}
+  return (f"model.pattern={pattern}",) + tuple(f"model.recurrent.{k}={_text(v)}" for k, v in fields.items())
+
+
+def width(d_model: int, num_heads: int = 2) -> tuple:
+  """d_model with recurrent and attention heads splitting it evenly."""
+  return (f"model.d_model={d_model}", f"model.recurrent.num_heads={num_heads}",
+          f"model.recurrent.head_dim={d_model // num_heads}", f"model.attention.num_heads={num_heads}",
+          f"model.attention.head_dim={d_model // num_heads}")
+
+
+def check_size(size: str) -> str:
+  if size not in ("full", "small"):
+    raise ConfigError(f"config argument must be 'full' or 'small' (e.g. configs/mqar.py:small), got {size!r}")
+  return size
+
+
+def apply(config, overrides):
+  """Applies "key=value" overrides to a config (the same parser as the command line)."""
+  return apply_overrides(config, overrides)

@@ -1,0 +1,56 @@
+"""Reproduction 1: MQAR (Zoology, Arora et al. 2023) over mixers x d_model, 2 layers.
+
+  gdn-compare --config configs/mqar.py:small   # CPU, minutes: 4 models x d_model {32, 64}, short sequences
+  gdn-compare --config configs/mqar.py         # full: 7 models x d_model {64, 128, 256} x 4 learning rates
+
+Trained on a mixture of the four (length, pairs) settings, evaluated on each. The hybrid needs 4 layers for
+a 3:1 pattern (RRRA); every other model has 2.
+"""
+
+from configs import base
+
+LRS = (1e-4, 4.6e-4, 2.2e-3, 1e-2)  # Zoology's np.logspace(-4, -2, 4), rounded
+
+
+def models(names):
+  out = {name: base.mixer(name) for name in names if name != "hybrid_3to1"}
+  if "hybrid_3to1" in names:
+    out["hybrid_3to1"] = base.mixer("gated_deltanet", pattern="RRRA") + ("model.num_layers=4",)
+  return out
+
+
+def get_config(size="full"):
+  base.check_size(size)
+  c = base.get_config()
+  c.name = "mqar" if size == "full" else "mqar_small"
+  c.data.task = "mqar"
+  c.data.batch_size = 128
+  c.model.vocab_size = 8192
+  c.data.mqar.vocab_size = 8192
+  c.model.num_layers = 2
+  base.apply(c, base.width(128) + base.mixer("gated_deltanet"))
+  c.train.steps = 10_000
+  c.train.warmup_steps = 500
+  c.train.eval_every = 1000
+  c.train.checkpoint_every = 1000
+  c.sweep.models = models(base.MIXERS + ("hybrid_3to1",))
+  c.sweep.settings = {f"d{d}": base.width(d) for d in (64, 128, 256)}
+  c.sweep.learning_rates = LRS
+  c.sweep.metric = "accuracy"
+  c.sweep.x_key = "model.d_model"
+  if size == "small":
+    c.data.batch_size = 32
+    c.model.vocab_size = 512
+    c.data.mqar.vocab_size = 512
+    c.data.mqar.train_settings = ((64, 4), (128, 8))
+    c.data.mqar.eval_settings = ((64, 4), (128, 8))
+    c.data.mqar.eval_examples = 256
+    c.model.recurrent.method = "recurrent"  # compiles faster on CPU than the chunked form
+    c.train.steps = 300
+    c.train.warmup_steps = 30
+    c.train.eval_every = 300
+    c.train.checkpoint_every = 300
+    c.sweep.models = models(("attention", "deltanet", "gated_deltanet", "hybrid_3to1"))
+    c.sweep.settings = {f"d{d}": base.width(d) for d in (32, 64)}
+    c.sweep.learning_rates = (3e-3,)
+  return c

@@ -1,0 +1,70 @@
+"""Run a sweep and report it: `gdn-compare --config configs/mqar.py:small`.
+
+Cells are models x settings x seeds x learning rates from the config's `sweep` section; results go to
+results/<config.name>/ (runs/, table.md, results.csv, best.csv, PNG plots). Finished cells are skipped and
+interrupted ones resume, so the command can simply be run again. `--shard i/n` runs every n-th cell from
+the i-th (one machine each); `--report` only writes the report from the runs present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+from gdn.sweep import expand, run_cells, write_report
+from gdn.train import ConfigError
+from gdn.train.config_file import apply_overrides, load, split_argv
+
+
+def _parallel_hint(argv_config, overrides, n_cells) -> str:
+  base = "gdn-compare --config " + shlex.quote(argv_config) + "".join(
+      " " + shlex.quote(f"--config.{o}") for o in overrides)
+  return (f"{n_cells} cells. To spread them over N machines (each with this repository installed), run on "
+          f"machine i = 0..N-1:\n  {base} --shard i/N\nthen copy every machine's results/<name>/runs/ into one "
+          f"results/<name>/runs/ and write the report with:\n  {base} --report")
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  try:
+    spec, overrides, rest = split_argv(argv)
+    parser = argparse.ArgumentParser(prog="gdn-compare", description=__doc__.split("\n")[0])
+    parser.add_argument("--shard", default="0/1", help="i/n: run every n-th cell starting at the i-th")
+    parser.add_argument("--report", action="store_true", help="only write the report from finished runs")
+    parser.add_argument("--list", action="store_true", help="list the cells and exit")
+    args = parser.parse_args(rest)
+    if not spec:
+      raise ConfigError("--config is required (e.g. --config configs/mqar.py:small)")
+    config = apply_overrides(load(spec), overrides)
+    shard, num_shards = (int(x) for x in args.shard.split("/"))
+    if not 0 <= shard < num_shards:
+      raise ConfigError(f"--shard must be i/n with 0 <= i < n, got {args.shard}")
+    cells = expand(config)
+  except (ConfigError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  out_dir = os.path.join("results", config.name)
+  print(_parallel_hint(spec, overrides, len(cells)))
+  if args.list:
+    for c in cells:
+      print(c.id)
+    return 0
+  if not args.report:
+    run_cells(cells, shard, num_shards)
+  try:
+    paths = write_report(cells, out_dir, title=config.name)
+  except FileNotFoundError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  with open(paths["table.md"]) as f:
+    print("\n" + f.read())
+  print(f"results   {out_dir}/  (table.md, results.csv, best.csv)")
+  print("plots     " + ", ".join(p for k, p in paths.items() if k.endswith(".png")))
+  print(f"runs      {out_dir}/runs/<cell>/  (config.json, metrics.jsonl, tb/, checkpoints/)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

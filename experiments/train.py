@@ -1,0 +1,48 @@
+"""Train one config: `gdn-train --config configs/mqar.py:small [--config.model.d_model=128 ...]`.
+
+Resumes automatically from the newest good checkpoint in the work directory (config.workdir, default
+runs/<config.name>).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from gdn.train import ConfigError, train
+from gdn.train.checkpoint import ConfigMismatch
+from gdn.train.config_file import resolve, split_argv
+
+USAGE = ("usage: gdn-train --config FILE.py[:ARG] [--config.KEY=VALUE ...]\n"
+         "  e.g. gdn-train --config configs/mqar.py:small --config.model.d_model=128 --config.workdir=runs/x")
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  if any(a in ("-h", "--help") for a in argv):
+    print(USAGE)
+    return 0
+  try:
+    spec, overrides, rest = split_argv(argv)
+    if rest or not spec:
+      raise ConfigError(f"unexpected arguments {rest}" if rest else "--config is required")
+    cfg = resolve(spec, overrides)
+  except ConfigError as e:
+    print(f"error: {e}\n{USAGE}", file=sys.stderr)
+    return 2
+  try:
+    summary = train(cfg)
+  except (ConfigError, ConfigMismatch) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  workdir = summary["workdir"]
+  ev = summary["eval"]
+  print(f"\n{cfg.name}: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(ev.items()) if "/" not in k))
+  print(f"config       {os.path.join(workdir, 'config.json')}")
+  print(f"metrics      {os.path.join(workdir, 'metrics.jsonl')} (TensorBoard: tensorboard --logdir {workdir}/tb)")
+  print(f"checkpoints  {os.path.join(workdir, 'checkpoints')}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

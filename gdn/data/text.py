@@ -1,0 +1,126 @@
+"""Language modelling on local text: raw bytes of a corpus directory, or pre-tokenised .bin token files.
+
+The default corpus is the running interpreter's standard library source (`sysconfig` "stdlib", every
+`*.py` outside site-packages / dist-packages): about 1,800 files and 30 MB on CPython 3.11, present on every
+machine with Python. Files go to validation by a hash of their relative path, so the split is the same on
+every machine with the same Python version. Token files are flat arrays of `token_dtype` (the nanoGPT .bin
+layout), memory-mapped, never loaded whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import pathlib
+import sysconfig
+import zlib
+
+import grain
+import numpy as np
+
+from gdn.data.pipeline import Split
+
+_SEPARATOR = 0  # joins files; NUL never occurs in source text
+
+
+@dataclasses.dataclass(frozen=True)
+class TextConfig:
+  seq_len: int = 512
+  eval_examples: int = 256  # validation windows, spread evenly over the validation stream
+  corpus_dir: str = ""  # bytes: "" = the Python standard library's source
+  glob: str = "**/*.py"
+  val_fraction: float = 0.05
+  train_file: str = ""  # tokens: .bin files of `token_dtype`
+  val_file: str = ""
+  token_dtype: str = "uint16"
+  vocab_size: int = 50304  # tokens only; bytes always have 256
+
+  def __post_init__(self):
+    if self.seq_len < 2:
+      raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
+    if not 0.0 < self.val_fraction < 1.0:
+      raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+    if self.token_dtype not in ("uint8", "uint16", "uint32", "int32"):
+      raise ValueError(f"token_dtype must be uint8, uint16, uint32 or int32, got {self.token_dtype!r}")
+
+
+def default_corpus_dir() -> str:
+  return sysconfig.get_paths()["stdlib"]
+
+
+def corpus_files(corpus_dir: str, glob: str) -> list:
+  root = pathlib.Path(corpus_dir or default_corpus_dir())
+  if not root.is_dir():
+    raise FileNotFoundError(f"corpus directory {str(root)!r} does not exist")
+  skip = {"site-packages", "dist-packages", "__pycache__"}
+  files = sorted(p for p in root.glob(glob) if p.is_file() and not skip & set(p.relative_to(root).parts))
+  if not files:
+    raise FileNotFoundError(f"no files match {glob!r} under {str(root)!r}")
+  return [(str(p.relative_to(root)), p) for p in files]
+
+
+@functools.lru_cache(maxsize=4)
+def byte_streams(corpus_dir: str, glob: str, val_fraction: float) -> tuple:
+  """(train bytes, validation bytes) as uint8 arrays, split by file."""
+  parts = {False: [], True: []}
+  for rel, path in corpus_files(corpus_dir, glob):
+    is_val = zlib.crc32(rel.encode()) % 10_000 < val_fraction * 10_000
+    parts[is_val].append(path.read_bytes())
+  if not parts[True] or not parts[False]:
+    raise ValueError(f"val_fraction {val_fraction} leaves an empty train or validation split")
+  sep = bytes([_SEPARATOR])
+  return tuple(np.frombuffer(sep.join(parts[v]), np.uint8) for v in (False, True))
+
+
+def token_stream(path: str, dtype: str) -> np.ndarray:
+  if not path or not os.path.isfile(path):
+    raise FileNotFoundError(f"token file {path!r} does not exist")
+  return np.memmap(path, dtype=np.dtype(dtype), mode="r")
+
+
+class Windows:
+  """Non-overlapping windows of seq_len + 1 tokens of a stream, as a grain random-access source."""
+
+  def __init__(self, stream: np.ndarray, seq_len: int):
+    self.stream, self.seq_len = stream, seq_len
+    self.n = (len(stream) - 1) // seq_len
+    if self.n < 1:
+      raise ValueError(f"a stream of {len(stream)} tokens is shorter than one window of {seq_len + 1}")
+
+  def __len__(self):
+    return self.n
+
+  def __getitem__(self, i):
+    s = self.seq_len * i
+    return np.asarray(self.stream[s:s + self.seq_len + 1], np.int32)
+
+
+def _example(window):
+  return dict(inputs=window[..., :-1], targets=window[..., 1:], weights=np.ones(window[..., 1:].shape, np.float32))
+
+
+def streams(cfg: TextConfig, kind: str) -> tuple:
+  if kind == "bytes":
+    return byte_streams(cfg.corpus_dir, cfg.glob, cfg.val_fraction)
+  return token_stream(cfg.train_file, cfg.token_dtype), token_stream(cfg.val_file, cfg.token_dtype)
+
+
+def train_dataset(cfg: TextConfig, kind: str, batch_size: int, seed: int, num_batches: int) -> grain.MapDataset:
+  """Shuffled windows, reshuffled every epoch, batched; element i is batch i."""
+  train, _ = streams(cfg, kind)
+  ds = grain.MapDataset.source(Windows(train, cfg.seq_len)).shuffle(seed=seed).repeat(None)
+  return ds.batch(batch_size, drop_remainder=True).map(_example)[:num_batches]
+
+
+def eval_splits(cfg: TextConfig, kind: str) -> list:
+  _, val = streams(cfg, kind)
+  windows = Windows(val, cfg.seq_len)
+  n = min(cfg.eval_examples, len(windows))
+  picks = np.linspace(0, len(windows) - 1, n).astype(int)
+
+  def make(rng, start, count):
+    del rng  # the validation windows are fixed
+    return _example(np.stack([windows[i] for i in picks[start:start + count]]))
+
+  return [Split("val", n, make)]

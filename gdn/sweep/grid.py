@@ -1,0 +1,74 @@
+"""The cells of a sweep and running them. A cell is the base config plus a model's and a setting's
+"key=value" overrides, a seed and a learning rate; its run directory is results/<name>/runs/<cell id>."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+
+import ml_collections
+
+from gdn.train.config import ExperimentConfig, from_dict
+from gdn.train.config_file import apply_overrides
+from gdn.train.loop import train
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  model: str
+  setting: str
+  seed: int
+  lr: float
+  config: ExperimentConfig
+
+  @property
+  def id(self) -> str:
+    return f"{self.model}__{self.setting}__seed{self.seed}__lr{self.lr:g}"
+
+
+def results_dir(config: ml_collections.ConfigDict) -> str:
+  return os.path.join("results", config.name)
+
+
+def expand(config: ml_collections.ConfigDict, results: str = "") -> list:
+  """Every cell of the sweep declared in `config.sweep`, in a fixed order (models, settings, seeds, lrs)."""
+  results = results or results_dir(config)
+  sweep = from_dict(config.to_dict()).sweep
+  models = sweep.models or {config.name: ()}
+  settings = sweep.settings or {"base": ()}
+  lrs = sweep.learning_rates or (config.train.learning_rate,)
+  cells = []
+  for model, model_overrides in models.items():
+    for setting, setting_overrides in settings.items():
+      for seed in sweep.seeds:
+        for lr in lrs:
+          c = copy.deepcopy(config)
+          apply_overrides(c, tuple(model_overrides) + tuple(setting_overrides))
+          cell = Cell(model, setting, int(seed), float(lr), None)
+          c.seed, c.train.learning_rate = int(seed), float(lr)
+          c.name = cell.id
+          c.workdir = os.path.join(results, "runs", cell.id)
+          cells.append(dataclasses.replace(cell, config=from_dict(c.to_dict())))
+  return cells
+
+
+def done(cell: Cell) -> bool:
+  path = os.path.join(cell.config.run_dir, "summary.json")
+  if not os.path.exists(path):
+    return False
+  with open(path) as f:
+    return json.load(f).get("steps") == cell.config.train.last_step
+
+
+def run_cells(cells, shard: int = 0, num_shards: int = 1, log=print) -> None:
+  """Trains this shard's cells (every num_shards-th from `shard`), skipping finished ones; an interrupted
+  cell resumes from its checkpoint."""
+  mine = cells[shard::num_shards]
+  for i, cell in enumerate(mine):
+    if done(cell):
+      log(f"[{i + 1}/{len(mine)}] {cell.id}: done already")
+      continue
+    log(f"[{i + 1}/{len(mine)}] {cell.id}")
+    train(cell.config, log=log)

@@ -1,0 +1,172 @@
+"""A sweep's report: the best learning rate per (model, setting, seed), a markdown table and a CSV of the
+mean over seeds, and PNG plots (the metric against a config value, loss curves)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+
+import numpy as np
+
+from gdn.train.config import to_dict
+from gdn.train.metrics import read_jsonl
+
+
+def _get(d: dict, dotted: str):
+  for part in dotted.split("."):
+    d = d[part]
+  return d
+
+
+def _natural(name: str) -> list:
+  """T64 before T128."""
+  return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def collect(cells) -> list:
+  """One row per finished cell: its ids, learning rate, config value of x_key, and final eval metrics."""
+  rows = []
+  for cell in cells:
+    path = os.path.join(cell.config.run_dir, "summary.json")
+    if not os.path.exists(path):
+      continue
+    with open(path) as f:
+      summary = json.load(f)
+    x_key = cell.config.sweep.x_key
+    rows.append(dict(model=cell.model, setting=cell.setting, seed=cell.seed, lr=cell.lr,
+                     x=_get(to_dict(cell.config), x_key) if x_key else None, run_dir=cell.config.run_dir,
+                     params=summary["params"], **{f"eval/{k}": v for k, v in summary["eval"].items()}))
+  return rows
+
+
+def best_per_seed(rows, metric: str, mode: str) -> list:
+  """Zoology's protocol: for each (model, setting, seed) keep the learning rate with the best final metric."""
+  best = {}
+  sign = 1.0 if mode == "max" else -1.0
+  for r in rows:
+    key = (r["model"], r["setting"], r["seed"])
+    value = r.get(f"eval/{metric}", float("nan"))
+    if key not in best or sign * value > sign * best[key].get(f"eval/{metric}", float("nan")) or \
+        np.isnan(best[key].get(f"eval/{metric}", float("nan"))):
+      best[key] = r
+  return list(best.values())
+
+
+def summarize(rows, metric: str) -> dict:
+  """(model, setting) -> (mean, std, n, mean best lr) over seeds."""
+  groups = {}
+  for r in rows:
+    groups.setdefault((r["model"], r["setting"]), []).append(r)
+  out = {}
+  for key, rs in groups.items():
+    v = np.array([r.get(f"eval/{metric}", np.nan) for r in rs], float)
+    out[key] = (float(np.mean(v)), float(np.std(v)), len(rs), [r["lr"] for r in rs])
+  return out
+
+
+def write_report(cells, out_dir: str, title: str = "") -> dict:
+  """Writes table.md, results.csv (every run), best.csv (best lr per seed) and plots; returns paths."""
+  os.makedirs(out_dir, exist_ok=True)
+  sweep = cells[0].config.sweep
+  metric, mode = sweep.metric, sweep.mode
+  rows = collect(cells)
+  if not rows:
+    raise FileNotFoundError(f"no finished runs under {out_dir}/runs")
+  best = best_per_seed(rows, metric, mode)
+  summary = summarize(best, metric)
+  models = list(dict.fromkeys(c.model for c in cells))
+  settings = list(dict.fromkeys(c.setting for c in cells))
+  splits = sorted({k.split("/")[1] for k in rows[0] if k.count("/") == 2 and k.startswith("eval/")
+                   and k.endswith("/" + metric)}, key=_natural)
+
+  paths = {}
+  keys = list(dict.fromkeys(k for r in rows for k in r))
+  for name, rs in (("results.csv", rows), ("best.csv", best)):
+    paths[name] = os.path.join(out_dir, name)
+    with open(paths[name], "w", newline="") as f:
+      w = csv.DictWriter(f, fieldnames=keys, restval="")
+      w.writeheader()
+      w.writerows(rs)
+
+  lines = [f"# {title or os.path.basename(out_dir)}", "",
+           f"Final eval `{metric}` (mean ± std over {len(sweep.seeds)} seed(s); best learning rate per seed "
+           f"from {sorted({c.lr for c in cells})}).", "",
+           "| model | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
+  for m in models:
+    cells_text = []
+    for s in settings:
+      if (m, s) in summary:
+        mean, std, n, lrs = summary[(m, s)]
+        cells_text.append(f"{mean:.3f} ± {std:.3f}" if n > 1 else f"{mean:.3f}")
+      else:
+        cells_text.append("–")
+    lines.append(f"| {m} | " + " | ".join(cells_text) + " |")
+  if splits:
+    lines += ["", f"Per eval split (`{metric}`, mean over seeds):", "",
+              "| model | setting | " + " | ".join(splits) + " |", "|---" * (len(splits) + 2) + "|"]
+    for m in models:
+      for s in settings:
+        rs = [r for r in best if r["model"] == m and r["setting"] == s]
+        if rs:
+          vals = [np.mean([r.get(f"eval/{sp}/{metric}", np.nan) for r in rs]) for sp in splits]
+          lines.append(f"| {m} | {s} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+  paths["table.md"] = os.path.join(out_dir, "table.md")
+  with open(paths["table.md"], "w") as f:
+    f.write("\n".join(lines) + "\n")
+
+  paths.update(_plots(best, models, settings, splits, metric, sweep.x_key, out_dir))
+  return paths
+
+
+def _plots(best, models, settings, splits, metric, x_key, out_dir) -> dict:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  paths = {}
+  if x_key:
+    panels = splits or [""]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
+    for ax, sp in zip(axes[0], panels):
+      key = f"eval/{sp}/{metric}" if sp else f"eval/{metric}"
+      for m in models:
+        pts = {}
+        for r in best:
+          if r["model"] == m and r["x"] is not None:
+            pts.setdefault(r["x"], []).append(r.get(key, np.nan))
+        if pts:
+          xs = sorted(pts)
+          ax.plot(xs, [np.mean(pts[x]) for x in xs], marker="o", label=m)
+      ax.set_xscale("log", base=2)
+      ax.set_xlabel(x_key)
+      ax.set_title(sp or metric)
+      ax.set_ylabel(metric)
+      ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    paths["metric_vs_x.png"] = os.path.join(out_dir, f"{metric}_vs_{x_key.split('.')[-1]}.png")
+    fig.savefig(paths["metric_vs_x.png"], dpi=120)
+    plt.close(fig)
+
+  fig, axes = plt.subplots(1, len(settings), figsize=(4 * len(settings), 3.4), squeeze=False)
+  for ax, s in zip(axes[0], settings):
+    for m in models:
+      rs = [r for r in best if r["model"] == m and r["setting"] == s]
+      if not rs:
+        continue
+      records = [x for x in read_jsonl(os.path.join(rs[0]["run_dir"], "metrics.jsonl")) if "train/loss" in x]
+      if records:
+        ax.plot([x["step"] for x in records], [x["train/loss"] for x in records], label=m, lw=1)
+    ax.set_title(s)
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+  axes[0][-1].legend(fontsize=7)
+  fig.tight_layout()
+  paths["loss_curves.png"] = os.path.join(out_dir, "loss_curves.png")
+  fig.savefig(paths["loss_curves.png"], dpi=120)
+  plt.close(fig)
+  return paths

@@ -1,0 +1,142 @@
+"""Checkpoints with orbax's CheckpointManager: periodic, keep-N, atomic, verified on restore.
+
+A checkpoint holds three items: "state" (the TrainState as a nested dict of arrays named by their pytree
+paths), "data" (the data iterator's state, i.e. the position in the batch stream) and "meta" (step and a
+SHA-256 of every array). Orbax makes a save atomic (written to a temporary directory, renamed when
+complete), so a kill mid-save leaves no step directory; the digest catches what atomicity cannot (bytes
+changed or lost on disk later). A checkpoint that fails to load or to match its digest is moved to
+`<dir>/../corrupt_checkpoints/` with a warning and the previous one is tried.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import warnings
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+
+def _name(p) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(p, attr):
+      return str(getattr(p, attr))
+  return str(p)
+
+
+def _is_key(leaf) -> bool:
+  return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def to_arrays(state) -> dict:
+  """The state as a nested dict of numpy arrays keyed by pytree path (PRNG keys as their raw data)."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+    node = out
+    names = [_name(p) for p in path]
+    for n in names[:-1]:
+      node = node.setdefault(n, {})
+    node[names[-1]] = np.asarray(jax.device_get(jax.random.key_data(leaf) if _is_key(leaf) else leaf))
+  return out
+
+
+def from_arrays(arrays: dict, template):
+  """Inverse of `to_arrays`, shaped like `template`; raises ValueError naming a leaf that does not fit."""
+  leaves = []
+  paths, treedef = jax.tree_util.tree_flatten_with_path(template)
+  for path, ref in paths:
+    names = [_name(p) for p in path]
+    node = arrays
+    for n in names:
+      if not isinstance(node, dict) or n not in node:
+        raise ValueError(f"checkpoint has no array {'/'.join(names)}")
+      node = node[n]
+    value = np.asarray(node)
+    want = jax.random.key_data(ref) if _is_key(ref) else ref
+    if value.shape != want.shape or value.dtype != want.dtype:
+      raise ValueError(f"checkpoint array {'/'.join(names)} is {value.dtype}{list(value.shape)}, "
+                       f"the model needs {want.dtype}{list(want.shape)}")
+    leaves.append(jax.random.wrap_key_data(value, impl=jax.random.key_impl(ref)) if _is_key(ref)
+                  else jax.device_put(value))
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def digest(arrays: dict) -> str:
+  h = hashlib.sha256()
+
+  def walk(node, prefix):
+    for k in sorted(node):
+      if isinstance(node[k], dict):
+        walk(node[k], f"{prefix}/{k}")
+      else:
+        a = np.ascontiguousarray(node[k])
+        h.update(f"{prefix}/{k}:{a.dtype}:{a.shape}".encode())
+        h.update(a.tobytes())
+
+  walk(arrays, "")
+  return h.hexdigest()
+
+
+class ConfigMismatch(ValueError):
+  """The checkpoint is intact but was written for a different model or optimizer."""
+
+
+class Checkpoints:
+  """Saves and restores (TrainState, data position) under one directory."""
+
+  def __init__(self, directory: str, keep: int):
+    self.directory = os.path.abspath(directory)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True)
+    self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                         item_names=("state", "data", "meta"))
+
+  def save(self, step: int, state, data_state: dict) -> None:
+    arrays = to_arrays(state)
+    meta = dict(step=int(step), digest=digest(arrays))
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(arrays), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
+
+  def _load(self, step: int, template):
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(to_arrays(template)), data=ocp.args.JsonRestore(),
+        meta=ocp.args.JsonRestore()))
+    arrays = jax.tree_util.tree_map(np.asarray, dict(restored["state"]))
+    meta = restored["meta"]
+    if meta.get("step") != step or digest(arrays) != meta.get("digest"):
+      raise IOError("its arrays do not match the digest written with them")
+    try:
+      state = from_arrays(arrays, template)
+    except ValueError as e:
+      raise ConfigMismatch(str(e)) from None
+    return state, restored["data"]
+
+  def restore_latest(self, template):
+    """(state, data_state, step) from the newest good checkpoint, or None if there is none."""
+    self.manager.reload()
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        state, data_state = self._load(step, template)
+        return state, data_state, step
+      except ConfigMismatch as e:
+        raise ConfigMismatch(f"checkpoint {step} in {self.directory} was written by a different config ({e}); "
+                             "use a fresh workdir or the original config") from None
+      except Exception as e:  # orbax, tensorstore and json raise many types for damaged files
+        aside = os.path.join(os.path.dirname(self.directory), "corrupt_checkpoints", str(step))
+        warnings.warn(f"checkpoint {step} in {self.directory} is corrupt or partial "
+                      f"({type(e).__name__}: {str(e)[:200]}); moved it to {aside}, trying the previous one")
+        if os.path.exists(aside):
+          shutil.rmtree(aside)
+        os.makedirs(os.path.dirname(aside), exist_ok=True)
+        shutil.move(os.path.join(self.directory, str(step)), aside)
+        self.manager.reload()
+    return None
+
+  def latest_step(self):
+    return self.manager.latest_step()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()

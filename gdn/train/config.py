@@ -1,0 +1,155 @@
+"""Typed training config and the whole experiment config (model, data, train, sweep).
+
+`from_dict` is the one gate between a config dictionary (an ml_collections file plus command-line overrides)
+and library code: it builds the frozen dataclasses and names the offending key when something is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from gdn.config import ModelConfig
+from gdn.data import DataConfig
+
+
+class ConfigError(ValueError):
+  """A config key is unknown or its value is bad; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 2000  # length of the learning-rate schedule
+  stop_step: int = 0  # stop after this step while keeping the schedule of `steps` (0 = run all `steps`)
+  learning_rate: float = 1e-3
+  warmup_steps: int = 100
+  min_lr_ratio: float = 0.1  # the cosine decays to learning_rate * min_lr_ratio
+  weight_decay: float = 0.1
+  decay_embeddings: bool = False
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  grad_clip: float = 1.0  # global norm; 0 = off
+  log_every: int = 10
+  eval_every: int = 500  # 0 = only at the end
+  checkpoint_every: int = 500  # 0 = only at the end
+  keep_checkpoints: int = 3
+  progress_bar: bool = True
+
+  def __post_init__(self):
+    for name in ("steps", "log_every", "keep_checkpoints"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    for name in ("stop_step", "warmup_steps", "eval_every", "checkpoint_every"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+    if self.stop_step > self.steps:
+      raise ValueError(f"stop_step {self.stop_step} is past steps {self.steps}")
+    if self.warmup_steps >= self.steps:
+      raise ValueError(f"warmup_steps {self.warmup_steps} must be smaller than steps {self.steps}")
+    if not self.learning_rate > 0:
+      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+    if not 0.0 <= self.min_lr_ratio <= 1.0:
+      raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+    if self.weight_decay < 0 or self.grad_clip < 0:
+      raise ValueError("weight_decay and grad_clip must be >= 0")
+
+  @property
+  def last_step(self) -> int:
+    return self.stop_step or self.steps
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+  """models x settings x seeds x learning rates. A model or setting is a tuple of "key=value" overrides."""
+  models: dict = dataclasses.field(default_factory=dict)
+  settings: dict = dataclasses.field(default_factory=dict)  # empty = one setting, the base config
+  seeds: tuple = (0,)
+  learning_rates: tuple = ()  # empty = the base learning rate; else the best per cell is kept
+  metric: str = "accuracy"  # final eval metric that picks the learning rate and fills the table
+  mode: str = "max"  # "max" | "min"
+  x_key: str = ""  # a config key to plot the metric against (e.g. "model.d_model")
+
+  def __post_init__(self):
+    if self.mode not in ("max", "min"):
+      raise ValueError(f"mode must be 'max' or 'min', got {self.mode!r}")
+    for group in ("models", "settings"):
+      for name, overrides in getattr(self, group).items():
+        if isinstance(overrides, str) or any("=" not in o for o in overrides):
+          raise ValueError(f"{group}.{name} must be a tuple of 'key=value' strings, got {overrides!r}")
+    if not self.seeds:
+      raise ValueError("seeds must not be empty")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  name: str = "run"
+  workdir: str = ""  # "" = runs/<name>
+  seed: int = 0
+  model: ModelConfig = ModelConfig()
+  data: DataConfig = DataConfig()
+  train: TrainConfig = TrainConfig()
+  sweep: SweepConfig = SweepConfig()
+
+  @property
+  def run_dir(self) -> str:
+    return self.workdir or f"runs/{self.name}"
+
+
+def _build(cls, d, path: str):
+  """cls(**d), recursing into dataclass-typed fields; errors name `path` and the key."""
+  if not isinstance(d, dict):
+    raise ConfigError(f"config.{path} must be a section, got {d!r}")
+  hints = typing.get_type_hints(cls)
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  unknown = sorted(set(d) - set(fields))
+  if unknown:
+    raise ConfigError(f"unknown config key config.{path}.{unknown[0]} (known: {', '.join(sorted(fields))})")
+  kwargs = {}
+  for name, value in d.items():
+    hint = hints[name]
+    if dataclasses.is_dataclass(hint):
+      kwargs[name] = _build(hint, value, f"{path}.{name}")
+    elif hint is tuple and isinstance(value, list):
+      kwargs[name] = _tuples(value)
+    else:
+      kwargs[name] = _tuples(value) if isinstance(value, tuple) else value
+  try:
+    return cls(**kwargs)
+  except (ValueError, TypeError) as e:
+    words = str(e).split()
+    key = f"{path}.{words[0]}" if words and words[0] in fields else path
+    raise ConfigError(f"bad value for config.{key}: {e}") from None
+
+
+def _tuples(value):
+  """Lists (as YAML round trips make them) back into the tuples that frozen configs hold."""
+  if isinstance(value, (list, tuple)):
+    return tuple(_tuples(v) for v in value)
+  return value
+
+
+def from_dict(d: dict) -> ExperimentConfig:
+  """An ExperimentConfig from a plain nested dict (`ConfigDict.to_dict()`)."""
+  d = dict(d)
+  sweep = dict(d.pop("sweep", {}) or {})
+  for group in ("models", "settings"):
+    sweep[group] = {k: _tuples(v) for k, v in dict(sweep.get(group, {}) or {}).items()}
+  d["sweep"] = sweep
+  unknown = sorted(set(d) - {f.name for f in dataclasses.fields(ExperimentConfig)})
+  if unknown:
+    raise ConfigError(f"unknown config key config.{unknown[0]}")
+  hints = typing.get_type_hints(ExperimentConfig)
+  kwargs = {}
+  for name, value in d.items():
+    kwargs[name] = _build(hints[name], value, name) if dataclasses.is_dataclass(hints[name]) else value
+  cfg = ExperimentConfig(**kwargs)
+  if not isinstance(cfg.seed, int):
+    raise ConfigError(f"config.seed must be an int, got {cfg.seed!r}")
+  return cfg
+
+
+def to_dict(cfg) -> dict:
+  """The nested dict of a dataclass config, the inverse of `from_dict` (tuples stay tuples)."""
+  return dataclasses.asdict(cfg)

@@ -1,0 +1,47 @@
+"""AdamW with linear warmup and cosine decay, global-norm clipping, and a weight-decay mask."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from gdn.train.config import TrainConfig
+
+# Decay parameters set the forgetting time scale; shrinking them toward zero would change what the model
+# remembers, not regularise it. Norm gains and biases are 1-D and excluded by shape.
+NO_DECAY_NAMES = ("A_log", "dt_bias")
+EMBEDDING_NAMES = ("embed", "embedding")
+
+
+def schedule(cfg: TrainConfig) -> optax.Schedule:
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps, decay_steps=cfg.steps,
+      end_value=cfg.learning_rate * cfg.min_lr_ratio)
+
+
+def _names(path) -> tuple:
+  return tuple(str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))) for p in path)
+
+
+def decay_mask(params, decay_embeddings: bool = False):
+  """True where weight decay applies: matrices and conv kernels, not decay parameters, norms or biases.
+
+  Embeddings are excluded by default: with a large vocabulary (MQAR's 8192) most rows get no gradient in a
+  step, so decoupled decay would pull the rows of rare tokens toward zero between their updates.
+  """
+  def rule(path, leaf):
+    names = _names(path)
+    if any(n in NO_DECAY_NAMES for n in names) or leaf.ndim < 2:
+      return False
+    if not decay_embeddings and any(n in EMBEDDING_NAMES for n in names):
+      return False
+    return True
+  return jax.tree_util.tree_map_with_path(rule, params)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+  adamw = optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                      mask=lambda params: decay_mask(params, cfg.decay_embeddings))
+  if cfg.grad_clip > 0:
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+  return adamw

@@ -1,0 +1,82 @@
+"""The train state, the loss, and the pure jitted steps: `train_step(state, batch) -> (state, metrics)`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from gdn.config import ModelConfig
+from gdn.model import LanguageModel
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # int32 scalar: optimizer steps taken
+  params: Any  # nnx.State of nnx.Param, float32 master weights
+  rest: Any  # the model's other state (dropout RNG streams)
+  opt_state: Any
+
+
+def init(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int):
+  """(graphdef, TrainState) for a freshly initialised model."""
+  model = LanguageModel(model_cfg, rngs=nnx.Rngs(seed))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return graphdef, TrainState(jnp.zeros((), jnp.int32), params, rest, tx.init(params))
+
+
+def _token_stats(logits_BxTxV, batch):
+  """Per-example sums over weighted positions: nll, correct tokens, weight; and whole-example correctness."""
+  targets, w = batch["targets"], batch["weights"]
+  logp = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+  nll_BxT = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  hit_BxT = (jnp.argmax(logits_BxTxV, axis=-1) == targets).astype(jnp.float32)
+  w_B = w.sum(-1)
+  has = (w_B > 0).astype(jnp.float32)
+  # The last supervised position of a running state-tracking task is the state of the whole sequence.
+  last_B = w.shape[1] - 1 - jnp.argmax(w[:, ::-1] > 0, axis=1)
+  last_hit = jnp.take_along_axis(hit_BxT, last_B[:, None], axis=1)[:, 0]
+  return dict(nll=(nll_BxT * w).sum(), correct=(hit_BxT * w).sum(), weight=w_B.sum(),
+              seq_correct=(has * ((hit_BxT * w).sum(-1) == w_B)).sum(), last_correct=(has * last_hit).sum(),
+              seqs=has.sum())
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule):
+  """The jitted step; the incoming state's buffers are donated (updated in place)."""
+
+  def loss_fn(params, rest, batch):
+    model = nnx.merge(graphdef, params, rest)
+    stats = _token_stats(model(batch["inputs"]), batch)
+    loss = stats["nll"] / jnp.maximum(stats["weight"], 1.0)
+    _, _, rest = nnx.split(model, nnx.Param, ...)
+    return loss, (stats, rest)
+
+  def train_step(state: TrainState, batch):
+    (loss, (stats, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, state.rest, batch)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(loss=loss, accuracy=stats["correct"] / jnp.maximum(stats["weight"], 1.0),
+                   grad_norm=optax.global_norm(grads), lr=lr_schedule(state.step))
+    return TrainState(state.step + 1, params, rest, opt_state), metrics
+
+  return jax.jit(train_step, donate_argnums=0)
+
+
+def make_eval_step(graphdef):
+  """Sums of the eval statistics over one batch (summed again over batches on the host)."""
+
+  @jax.jit
+  def eval_step(params, rest, batch):
+    model = nnx.merge(graphdef, params, rest)
+    model.eval()  # dropout off
+    return _token_stats(model(batch["inputs"]), batch)
+
+  return eval_step
+
+
+def num_params(params) -> int:
+  return sum(x.size for x in jax.tree_util.tree_leaves(params))

@@ -1,0 +1,113 @@
+"""Every config file loads, converts to typed configs and builds its models and data; bad keys and values
+fail with the key's name."""
+
+import glob
+import os
+
+import pytest
+from flax import nnx
+
+from gdn.data import make_task
+from gdn.model import LanguageModel
+from gdn.sweep import expand
+from gdn.train import ConfigError, from_dict
+from gdn.train.config_file import apply_overrides, base_config, load, resolve, split_argv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+                      if os.path.basename(p) not in ("__init__.py", "base.py"))
+
+
+def _specs():
+  for path in CONFIG_FILES:
+    with open(path) as f:
+      sized = "def get_config(size" in f.read()
+    yield from ([f"{path}:small", path] if sized else [path])
+
+
+@pytest.mark.parametrize("spec", list(_specs()), ids=lambda s: os.path.relpath(s, ROOT))
+def test_config_file_builds(spec):
+  config = load(spec)
+  cells = expand(config, results="/nonexistent")
+  assert cells
+  built = set()
+  for cell in cells:
+    cfg = cell.config
+    if cfg.model not in built:  # abstract init: checks every shape without allocating
+      nnx.eval_shape(lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0)))
+      built.add(cfg.model)
+  if spec.endswith(":small") or ":" not in os.path.basename(spec):
+    task = make_task(cells[0].config.data, 0, 2)
+    batch = task.train[0]
+    assert batch["inputs"].shape == batch["targets"].shape == batch["weights"].shape
+    assert task.vocab_size <= cells[0].config.model.vocab_size
+    assert batch["inputs"].max() < cells[0].config.model.vocab_size
+
+
+def test_base_declares_every_typed_field():
+  cfg = from_dict(base_config().to_dict())
+  assert cfg.model.pattern == "RRRA" and cfg.train.steps > 0
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("model.d_modl=3", "config.model.d_modl"),
+    ("train.stepz=3", "config.train.stepz"),
+    ("nonsense.key=1", "config.nonsense"),
+    ("model.d_model=abc", "config.model.d_model"),
+    ("train.learning_rate=fast", "config.train.learning_rate"),
+    ("model.tie_embeddings=maybe", "config.model.tie_embeddings"),
+    ("data.mqar.train_settings=7", "config.data.mqar.train_settings"),
+    ("model=3", "config.model"),
+])
+def test_unknown_key_or_unparsable_value_names_the_key(override, needle):
+  with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+    apply_overrides(base_config(), [override])
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("model.recurrent.decay=sometimes", "config.model.recurrent.decay"),
+    ("model.pattern=RXA", "config.model.pattern"),
+    ("train.steps=0", "config.train.steps"),
+    ("train.warmup_steps=5000", "config.train.warmup_steps"),
+    ("data.task=images", "config.data.task"),
+    ("data.mqar.power_a=2.0", "config.data.mqar.power_a"),
+    ("data.state.task=sorting", "config.data.state.task"),
+])
+def test_bad_value_names_the_key(override, needle):
+  config = apply_overrides(base_config(), [override])
+  with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+    from_dict(config.to_dict())
+
+
+def test_command_line_error_is_clear(capsys):
+  from experiments.train import main
+  assert main(["--config", os.path.join(ROOT, "configs", "quickstart.py"), "--config.model.d_modle=64"]) == 2
+  err = capsys.readouterr().err
+  assert "unknown config key config.model.d_modle (did you mean config.model.d_model?)" in err
+
+
+def test_overrides_parse_by_type():
+  spec, overrides, rest = split_argv(["--config", "x.py:small", "--config.model.d_model=96", "--config.seed", "3",
+                                      "--config.model.tie_embeddings=false", "--shard", "0/2"])
+  assert (spec, rest) == ("x.py:small", ["--shard", "0/2"])
+  cfg = resolve(os.path.join(ROOT, "configs", "quickstart.py"),
+                overrides + ["data.mqar.eval_settings=((64, 4),)", "model.recurrent.num_v_heads=4"])
+  assert cfg.model.d_model == 96 and cfg.seed == 3 and cfg.model.tie_embeddings is False
+  assert cfg.data.mqar.eval_settings == ((64, 4),) and cfg.model.recurrent.num_v_heads == 4
+
+
+def test_unknown_config_argument():
+  with pytest.raises(ConfigError, match="small"):
+    load(os.path.join(ROOT, "configs", "mqar.py") + ":tiny")
+
+
+def test_sweep_models_do_not_inherit_the_base_models_switches():
+  cells = expand(load(os.path.join(ROOT, "configs", "state_tracking.py") + ":small"), results="/nonexistent")
+  assert {c.model for c in cells} == {"deltanet_beta01", "deltanet_beta02"}
+  for c in cells:
+    assert c.config.model.recurrent.allow_neg_eigval == c.model.endswith("beta02"), c.id
+  by_model = {c.model: c.config.model for c in expand(load(os.path.join(ROOT, "configs", "mqar.py")),
+                                                      results="/nonexistent")}
+  assert by_model["linear_attention"].recurrent.decay == "none" and by_model["linear_attention"].recurrent.beta == "none"
+  assert by_model["kda"].recurrent.decay == "channel" and by_model["attention"].pattern == "A"
+  assert by_model["hybrid_3to1"].pattern == "RRRA" and by_model["hybrid_3to1"].num_layers == 4

@@ -1,0 +1,143 @@
+"""The tasks: deterministic from the seed, correct answers, resumable streams, local text split by file."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from gdn.data import DataConfig, eval_batches, iterator, make_task, mqar, niah, state_tracking, text
+
+
+def _rng(i=0):
+  return np.random.default_rng(i)
+
+
+def test_same_seed_same_batches_other_seed_other_batches():
+  a = make_task(DataConfig(), seed=0, num_batches=4).train
+  b = make_task(DataConfig(), seed=0, num_batches=4).train
+  c = make_task(DataConfig(), seed=1, num_batches=4).train
+  np.testing.assert_array_equal(a[3]["inputs"], b[3]["inputs"])
+  assert not np.array_equal(a[3]["inputs"], c[3]["inputs"])
+
+
+def test_iterator_resumes_from_saved_state():
+  ds = make_task(DataConfig(batch_size=4), seed=0, num_batches=10).train
+  it = iterator(ds)
+  for _ in range(3):
+    next(it)
+  state = it.get_state()
+  rest = [next(it)["inputs"] for _ in range(4)]
+  resumed = iterator(ds, state)
+  for want in rest:
+    np.testing.assert_array_equal(next(resumed)["inputs"], want)
+
+
+@pytest.mark.parametrize("T, P", mqar.SETTINGS)
+def test_mqar_answers_are_the_values_of_the_queried_keys(T, P):
+  cfg = mqar.MQARConfig()
+  b = mqar.batch(cfg, _rng(T), 8, T, P)
+  assert b["inputs"].shape == (8, T) and b["weights"].sum(1).tolist() == [P] * 8
+  for x, y, w in zip(b["inputs"], b["targets"], b["weights"]):
+    keys, values = x[0:2 * P:2], x[1:2 * P:2]
+    assert len(set(keys)) == P and keys.max() < cfg.vocab_size // 2 <= values.min()
+    table = dict(zip(keys, values))
+    positions = np.nonzero(w)[0]
+    assert positions.min() >= 2 * P
+    assert all(table[x[t]] == y[t] for t in positions)
+
+
+def test_mqar_query_gaps_follow_a_power_law():
+  cfg = mqar.MQARConfig()
+  T, P = 256, 16
+  b = mqar.batch(cfg, _rng(), 256, T, P)
+  gaps = (np.nonzero(b["weights"])[1] - 2 * P) // 2
+  # p(r) ~ r^-0.99: the first tenth of the query region holds most queries, far more than the uniform 10%.
+  assert np.mean(gaps < (T - 2 * P) // 20) > 0.3
+
+
+def test_niah_targets_are_the_needle_value():
+  cfg = niah.NIAHConfig(train_lengths=(128,), eval_lengths=(256,))
+  for haystack in ("repeat", "random"):
+    c = niah.NIAHConfig(haystack=haystack, train_lengths=(128,), eval_lengths=(256,))
+    b = niah.batch(c, _rng(), 4, 256, seed=0)
+    for x, y, w in zip(b["inputs"], b["targets"], b["weights"]):
+      start = int(np.nonzero(x == niah.NEEDLE)[0][0])
+      value = x[start + 2 + cfg.key_length:start + 2 + cfg.key_length + cfg.value_length]
+      np.testing.assert_array_equal(y[w > 0], value)
+      query_key = x[-(cfg.key_length + cfg.value_length + 1):-(cfg.value_length + 1)]
+      np.testing.assert_array_equal(query_key, x[start + 1:start + 1 + cfg.key_length])
+
+
+def test_parity_and_modular_targets():
+  b = state_tracking.batch(state_tracking.StateConfig(task="parity"), _rng(), 4, 50)
+  np.testing.assert_array_equal(b["targets"], np.cumsum(b["inputs"], 1) % 2)
+  m = 5
+  b = state_tracking.batch(state_tracking.StateConfig(task="modular"), _rng(), 4, 21)
+  for x, y, w in zip(b["inputs"], b["targets"], b["weights"]):
+    s = x[0]
+    for i in range(2, 21, 2):
+      op, d = x[i - 1] - m, x[i]
+      s = (s + d, s - d, s * d)[op] % m
+      assert w[i] == 1 and y[i] == s
+
+
+def test_bracketed_expressions_evaluate_to_their_target():
+  cfg = state_tracking.StateConfig(task="modular_brackets")
+  symbols = {5: "+", 6: "-", 7: "*", 8: "(", 9: ")", 10: "", 11: ""}
+  for T in (12, 33, 64):
+    b = state_tracking.batch(cfg, _rng(T), 8, T)
+    for x, y, w in zip(b["inputs"], b["targets"], b["weights"]):
+      expr = "".join(symbols.get(int(t), str(int(t))) for t in x)
+      assert w.sum() == 1 and w[-1] == 1
+      assert eval(expr) % 5 == y[-1]  # fully bracketed, so Python's precedence cannot change the value
+
+
+def test_s5_targets_compose_the_permutations():
+  perms = list(itertools.permutations(range(5)))
+  b = state_tracking.batch(state_tracking.StateConfig(task="s5"), _rng(), 2, 12)
+  for x, y in zip(b["inputs"], b["targets"]):
+    state = tuple(range(5))
+    for t in range(12):
+      p = perms[x[t]]
+      state = tuple(p[state[j]] for j in range(5))
+      assert perms[y[t]] == state
+
+
+def test_eval_splits_are_fixed_and_long():
+  cfg = DataConfig(task="state", state=state_tracking.StateConfig(train_length=16, eval_lengths=(16, 64)))
+  task = make_task(cfg, 0, 2)
+  assert task.train[0]["inputs"].shape[1] == 16
+  long = [s for s in task.evals if s.name == "T64"][0]
+  a, b = eval_batches(long, 8, 0), eval_batches(long, 8, 0)
+  assert a[0]["inputs"].shape == (8, 64)
+  np.testing.assert_array_equal(a[-1]["inputs"], b[-1]["inputs"])
+
+
+def test_byte_corpus_splits_by_file(tmp_path):
+  for i in range(40):
+    (tmp_path / f"m{i}.py").write_text(f"x = {i}\n" * 50)
+  train, val = text.byte_streams(str(tmp_path), "**/*.py", 0.2)
+  assert len(train) + len(val) == sum(len(f"x = {i}\n" * 50) + 1 for i in range(40)) - 2
+  val_files = {bytes(f) for f in bytes(val).split(b"\0")}
+  train_files = {bytes(f) for f in bytes(train).split(b"\0")}
+  assert val_files and train_files and not val_files & train_files
+
+
+def test_default_corpus_is_the_standard_library():
+  files = text.corpus_files("", "**/*.py")
+  names = {rel for rel, _ in files}
+  assert "os.py" in names and not any("site-packages" in n for n in names)
+
+
+def test_token_files_are_memory_mapped(tmp_path):
+  tokens = np.arange(1000, dtype=np.uint16) % 300
+  tokens.tofile(tmp_path / "train.bin")
+  tokens[:500].tofile(tmp_path / "val.bin")
+  cfg = DataConfig(task="tokens", batch_size=2,
+                   text=text.TextConfig(seq_len=16, train_file=str(tmp_path / "train.bin"),
+                                        val_file=str(tmp_path / "val.bin"), eval_examples=4, vocab_size=300))
+  task = make_task(cfg, 0, 5)
+  b = task.train[0]
+  np.testing.assert_array_equal(b["targets"][:, :-1], b["inputs"][:, 1:])
+  assert isinstance(text.token_stream(str(tmp_path / "train.bin"), "uint16"), np.memmap)
+  assert eval_batches(task.evals[0], 3, 0)[0]["inputs"].shape == (3, 16)

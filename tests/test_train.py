@@ -1,0 +1,158 @@
+"""Training end to end on a tiny model: it learns and writes its files; a run killed with SIGKILL and resumed
+repeats the uninterrupted run's losses exactly; a corrupt or partial checkpoint is detected and skipped.
+
+The run checks live in one test so that pytest-xdist never starts the three training processes twice."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from gdn.train import checkpoint, optimizer, step
+from gdn.train.config_file import resolve
+from gdn.train.metrics import read_jsonl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "quickstart.py")
+# Orbax's async checkpointer may leave its event loop to close after a test ends.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+STEPS = 60  # stop_step: the schedule spans 1000 steps so that every run stops mid-schedule, like a preemption
+TINY = [
+    "model.d_model=32", "model.num_layers=2", "model.pattern=RA", "model.vocab_size=64",
+    "model.recurrent.num_heads=2", "model.recurrent.head_dim=16", "model.attention.num_heads=2",
+    "model.attention.head_dim=16", "model.recurrent.method=recurrent", "data.batch_size=8",
+    "data.mqar.vocab_size=64", "data.mqar.train_settings=((32,4),)", "data.mqar.eval_settings=((32,4),)",
+    "data.mqar.eval_examples=16", "train.steps=1000", "train.warmup_steps=10", "train.learning_rate=3e-3",
+    "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=10", "train.keep_checkpoints=3",
+    "train.progress_bar=false", f"train.stop_step={STEPS}",
+]
+
+
+def _launch(workdir, env):
+  args = [sys.executable, "-m", "experiments.train", "--config", CONFIG, *(f"--config.{o}" for o in TINY),
+          f"--config.workdir={workdir}"]
+  return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _losses(workdir):
+  return {r["step"]: r["train/loss"] for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+          if "train/loss" in r}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """An uninterrupted run, and one killed part-way then resumed, as separate processes."""
+  tmp = tmp_path_factory.mktemp("runs")
+  # The three processes compile the same programs: a shared persistent cache compiles them once.
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp / "jax_cache"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  full, killed = str(tmp / "full"), str(tmp / "killed")
+
+  proc = _launch(killed, env)
+  deadline = time.time() + 240
+  metrics = os.path.join(killed, "metrics.jsonl")
+  while time.time() < deadline and proc.poll() is None:
+    if os.path.exists(metrics) and max(_losses(killed), default=0) >= 25:
+      break
+    time.sleep(0.02)
+  was_running = proc.poll() is None
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate()
+  killed_at = max(_losses(killed), default=0)
+
+  procs = [_launch(full, env), _launch(killed, env)]
+  outputs = [p.communicate(timeout=300)[0] for p in procs]
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 0, out
+  return dict(full=full, killed=killed, was_running=was_running, killed_at=killed_at, resumed_output=outputs[1])
+
+
+def test_run_learns_writes_its_files_and_resumes_exactly_after_sigkill(runs):
+  full = runs["full"]
+  losses = _losses(full)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  first, last = np.mean([losses[s] for s in range(1, 11)]), np.mean([losses[s] for s in range(STEPS - 9, STEPS + 1)])
+  assert last < first - 0.2, (first, last)
+  records = read_jsonl(os.path.join(full, "metrics.jsonl"))
+  assert any("eval/accuracy" in r and r["step"] == STEPS for r in records)
+  assert all(np.isfinite(r["train/tokens_per_s"]) for r in records if "train/tokens_per_s" in r)
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(full, "tb")))
+  with open(os.path.join(full, "config.json")) as f:
+    written = json.load(f)
+  assert written["model"]["d_model"] == 32 and written["train"]["stop_step"] == STEPS
+  with open(os.path.join(full, "summary.json")) as f:
+    assert json.load(f)["steps"] == STEPS
+  kept = sorted(int(d) for d in os.listdir(os.path.join(full, "checkpoints")) if d.isdigit())
+  assert kept == [STEPS - 20, STEPS - 10, STEPS]
+
+  # The killed run, resumed from its last checkpoint, logs exactly the uninterrupted run's losses.
+  assert runs["was_running"] and 0 < runs["killed_at"] < STEPS, "the run was not killed part-way"
+  assert "resumed from step" in runs["resumed_output"]
+  resumed = _losses(runs["killed"])
+  assert sorted(resumed) == sorted(losses)
+  for s in sorted(losses):
+    assert resumed[s] == losses[s], f"step {s}: {resumed[s]} != {losses[s]}"
+
+
+def _template():
+  cfg = resolve(CONFIG, TINY)
+  tx = optimizer.make_optimizer(cfg.train)
+  return step.init(cfg.model, tx, cfg.seed)[1]
+
+
+def _files(d):
+  return sorted((os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs), key=os.path.getsize)
+
+
+def test_corrupt_or_partial_checkpoint_is_detected_and_skipped(tmp_path):
+  template = _template()
+  ckdir = tmp_path / "checkpoints"
+  ck = checkpoint.Checkpoints(str(ckdir), keep=3)
+  oldest, middle, newest = 10, 20, 30
+  for s in (oldest, middle, newest):
+    ck.save(s, template.replace(step=template.step + s), {"next_index": s})
+  ck.close()
+  # Corrupt: change bytes inside the largest array file of the newest checkpoint, keeping its size.
+  victim = _files(ckdir / str(newest) / "state")[-1]
+  with open(victim, "r+b") as f:
+    data = bytearray(f.read())
+    mid = len(data) // 2
+    data[mid:mid + 64] = bytes((b + 1) % 256 for b in data[mid:mid + 64])
+    f.seek(0)
+    f.write(data)
+  # Partial: the middle checkpoint lost its array data.
+  for path in _files(ckdir / str(middle) / "state"):
+    if os.path.getsize(path) > 1000:
+      os.remove(path)
+  ck = checkpoint.Checkpoints(str(ckdir), keep=3)
+  with pytest.warns(UserWarning, match="corrupt or partial") as caught:
+    state, data_state, restored_step = ck.restore_latest(template)
+  ck.close()
+  assert restored_step == oldest
+  assert len([w for w in caught if "corrupt or partial" in str(w.message)]) == 2
+  assert int(state.step) == oldest and data_state["next_index"] == oldest
+  for a, b in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(template.params)):
+    np.testing.assert_array_equal(a, b)
+  assert sorted(os.listdir(tmp_path / "corrupt_checkpoints")) == sorted([str(newest), str(middle)])
+
+
+def test_weight_decay_skips_decay_parameters_norms_and_embeddings():
+  params = _template().params
+  def named(mask):
+    return {"/".join(str(getattr(p, "key", getattr(p, "name", p))) for p in path): m
+            for path, m in jax.tree_util.tree_leaves_with_path(mask)}
+
+  mask = named(optimizer.decay_mask(params))
+  for name, decays in mask.items():
+    if any(k in name for k in ("A_log", "dt_bias", "norm", "embed")):
+      assert not decays, name
+    elif "proj" in name and "kernel" in name:
+      assert decays, name
+  with_embeddings = named(optimizer.decay_mask(params, decay_embeddings=True))
+  assert with_embeddings["embed/embedding/value"] and not mask["embed/embedding/value"]
