@@ -35,6 +35,8 @@ class TrainConfig:
   checkpoint_every: int = 500  # 0 = only at the end
   keep_checkpoints: int = 3
   progress_bar: bool = True
+  mesh_data: int = -1  # data-parallel devices (-1: all that mesh_fsdp leaves); see gdn/train/sharding.py
+  mesh_fsdp: int = 1  # devices that split every parameter and its optimizer state (FSDP)
 
   def __post_init__(self):
     for name in ("steps", "log_every", "keep_checkpoints"):
@@ -44,6 +46,8 @@ class TrainConfig:
     for name in ("stop_step", "warmup_steps", "eval_every", "checkpoint_every"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+    if self.mesh_fsdp < 1 or (self.mesh_data != -1 and self.mesh_data < 1):
+      raise ValueError(f"mesh_fsdp must be >= 1 and mesh_data >= 1 or -1, got {self.mesh_fsdp}, {self.mesh_data}")
     if self.stop_step > self.steps:
       raise ValueError(f"stop_step {self.stop_step} is past steps {self.steps}")
     if self.warmup_steps >= self.steps:

@@ -10,7 +10,7 @@ import jax
 import tqdm
 
 from gdn.data import iterator, make_task
-from gdn.train import checkpoint, evaluate, metrics, optimizer, step
+from gdn.train import checkpoint, evaluate, metrics, optimizer, sharding, step
 from gdn.train.config import ConfigError, ExperimentConfig, to_dict
 
 
@@ -50,6 +50,13 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
   if restored is not None:
     state, data_state, start = restored
     log(f"resumed from step {start} in {workdir}")
+  try:
+    mesh = sharding.make_mesh(tc.mesh_data, tc.mesh_fsdp)
+  except ValueError as e:
+    raise ConfigError(f"config.train.mesh_data / mesh_fsdp: {e}") from None
+  if cfg.data.batch_size % mesh.size:
+    raise ConfigError(f"config.data.batch_size {cfg.data.batch_size} must be a multiple of the {mesh.size} devices")
+  state = jax.device_put(state, sharding.tree_shardings(state, mesh))
   writer = metrics.MetricWriter(workdir, resume_step=start)
   data = iterator(task.train, data_state, num_threads=cfg.data.num_threads)
   train_step = step.make_train_step(graphdef, tx, lr)
@@ -82,7 +89,7 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
 
   try:
     for s in range(start + 1, last + 1):
-      batch = next(data)
+      batch = sharding.shard_batch(next(data), mesh)
       state, m = train_step(state, batch)
       window_tokens += batch["inputs"].size
       if pending is not None:
