@@ -25,37 +25,10 @@ def models(d_model: int, head_dims):
 
 
 def get_config(size="full"):
-  base.check_size(size)
-  c = base.get_config()
-  c.name = "ablations" if size == "full" else "ablations_small"
-  c.data.task = "bytes"
-  c.data.batch_size = 32
-  c.data.eval_batch_size = 32
-  c.data.text.seq_len = 512
-  c.data.text.eval_examples = 512
-  c.model.vocab_size = 256
-  c.model.num_layers = 4
+  small = base.check_size(size) == "small"
+  c = base.byte_lm(base.get_config(), "ablations", size, num_layers=2 if small else 4)
   base.apply(c, base.mixer("gated_deltanet"))
-  base.apply(c, ("model.d_model=256", "model.recurrent.num_heads=2", "model.recurrent.head_dim=128"))
-  c.train.steps = 5000
-  c.train.warmup_steps = 250
-  c.train.learning_rate = 1e-3
-  c.train.eval_every = 1000
-  c.train.checkpoint_every = 1000
-  c.sweep.models = models(256, (64, 256))
-  c.sweep.metric = "bits_per_byte"
-  c.sweep.mode = "min"
-  if size == "small":
-    c.data.batch_size = 16
-    c.data.text.seq_len = 128
-    c.data.text.eval_examples = 128
-    c.model.num_layers = 2
-    base.apply(c, ("model.d_model=64", "model.recurrent.num_heads=2", "model.recurrent.head_dim=32"))
-    c.model.recurrent.method = "recurrent"  # compiles faster on CPU than the chunked form
-    c.train.steps = 200
-    c.train.warmup_steps = 20
-    c.train.learning_rate = 3e-3
-    c.train.eval_every = 200
-    c.train.checkpoint_every = 200
-    c.sweep.models = models(64, (16, 64))
+  d_model, head_dim = (64, 32) if small else (256, 128)
+  base.apply(c, (f"model.d_model={d_model}", "model.recurrent.num_heads=2", f"model.recurrent.head_dim={head_dim}"))
+  c.sweep.models = models(d_model, (16, 64) if small else (64, 256))
   return c

@@ -44,6 +44,28 @@ def width(d_model: int, num_heads: int = 2) -> tuple:
           f"model.attention.head_dim={d_model // num_heads}")
 
 
+def byte_lm(c, name: str, size: str, num_layers: int):
+  """The byte-level language-modelling setup that the block ablations and the hybrid ratios share: the
+  full run (4 x 512-byte sequences x 32, 5000 steps) or its small CPU version (128 bytes x 16, 200 steps)."""
+  c.name = name if size == "full" else f"{name}_small"
+  c.data.task = "bytes"
+  c.data.batch_size = 32 if size == "full" else 16
+  c.data.eval_batch_size = 32
+  c.data.text.seq_len = c.data.text.eval_examples = 512 if size == "full" else 128
+  c.model.vocab_size = 256
+  c.model.num_layers = num_layers
+  c.sweep.metric = "bits_per_byte"
+  c.sweep.mode = "min"
+  if size == "full":
+    c.train.steps, c.train.warmup_steps, c.train.learning_rate = 5000, 250, 1e-3
+    c.train.eval_every = c.train.checkpoint_every = 1000
+  else:
+    c.model.recurrent.method = "recurrent"  # compiles faster on CPU than the chunked form
+    c.train.steps, c.train.warmup_steps, c.train.learning_rate = 200, 20, 3e-3
+    c.train.eval_every = c.train.checkpoint_every = 200
+  return c
+
+
 def check_size(size: str) -> str:
   if size not in ("full", "small"):
     raise ConfigError(f"config argument must be 'full' or 'small' (e.g. configs/mqar.py:small), got {size!r}")
