@@ -13,7 +13,7 @@ from flax import nnx
 
 from gdn.config import AttentionConfig
 from gdn.layers.norms import RMSNorm
-from gdn.layers.segments import segment_index
+from gdn.layers.segments import check_mixer_call, segment_index
 
 
 class KVCache(NamedTuple):
@@ -91,10 +91,7 @@ class Attention(nnx.Module):
     """x [B, T, D] -> (y [B, T, D], new cache or None). A cache continues at cache.pos; global layers must not
     be fed more than max_len tokens in total (the ring would wrap and turn into a max_len window)."""
     cfg = self.cfg
-    if x.ndim != 3 or x.shape[-1] != self.d_model:
-      raise ValueError(f"x must be [B, T, d_model] with d_model={self.d_model}, got shape {x.shape}")
-    if cache is not None and segment_ids is not None:
-      raise ValueError("segment_ids cannot be combined with a cache: pass one sequence per batch row")
+    check_mixer_call(x, self.d_model, segment_ids, cache)
     B, T, _ = x.shape
     N, G, E = cfg.num_heads, cfg.KVH, cfg.head_dim
 

@@ -16,6 +16,7 @@ from gdn import ops
 from gdn.config import RecurrentConfig
 from gdn.layers.conv import ShortConv
 from gdn.layers.norms import ACTIVATIONS, GatedRMSNorm, RMSNorm
+from gdn.layers.segments import check_mixer_call
 
 
 class RecurrentCache(NamedTuple):
@@ -117,10 +118,7 @@ class RecurrentMixer(nnx.Module):
     state (prefill, possibly in pieces). segment_ids [B, T] restart the state (training on packed data).
     """
     cfg = self.cfg
-    if x.ndim != 3 or x.shape[-1] != self.d_model:
-      raise ValueError(f"x must be [B, T, d_model] with d_model={self.d_model}, got shape {x.shape}")
-    if cache is not None and segment_ids is not None:
-      raise ValueError("segment_ids cannot be combined with a cache: pass one sequence per batch row")
+    check_mixer_call(x, self.d_model, segment_ids, cache)
     B, T, _ = x.shape
     H, HV, K, V = cfg.num_heads, cfg.HV, cfg.head_dim, cfg.V
 
