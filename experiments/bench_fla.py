@@ -1,6 +1,7 @@
 """Reference timings of fla's Triton `chunk_gated_delta_rule` (PyTorch, CUDA only), in bench_ops' table format.
 
   python -m experiments.bench_fla            # needs torch, triton, flash-linear-attention on a CUDA machine
+  python -m experiments.bench_fla --shapes 4,4096,64,128 8,1024,8,64
 
 fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (a numerics guard); for timing only we
 set `fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`, and the table says so.
@@ -21,7 +22,9 @@ def main(argv=None):
 
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--preset", choices=sorted(PRESETS), default="h200")
+  p.add_argument("--shapes", nargs="*", help="override the preset's shapes, each as B,T,H,D")
   a = p.parse_args(argv)
+  shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else PRESETS[a.preset]["shapes"]
   patched = not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True)
   chunk_o.TRITON_ABOVE_3_7_1 = True
   dev = "cuda"
@@ -30,7 +33,7 @@ def main(argv=None):
         + (" (TRITON_ABOVE_3_7_1 forced for the backward)" if patched else ""))
   print("| B, T, H, D | method | fwd ms | fwd+bwd ms | fwd mem MiB | fwd+bwd mem MiB |")
   print("|---|---|---|---|---|---|")
-  for B, T, H, D in PRESETS[a.preset]["shapes"]:
+  for B, T, H, D in shapes:
     torch.manual_seed(0)
     mk = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16)
     q, v = mk(B, T, H, D), mk(B, T, H, D)

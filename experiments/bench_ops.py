@@ -1,4 +1,4 @@
-"""Op benchmark: recurrent vs chunk vs associative (and a plain XLA port), forward and forward+backward.
+"""Op benchmark: recurrent vs chunk vs associative vs pallas (and a plain XLA port), forward and forward+backward.
 
 Prints a markdown table of median milliseconds and XLA's peak-memory estimate per variant, side by side in
 one run. Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head decay and beta (Gated DeltaNet).
@@ -7,6 +7,9 @@ one run. Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head decay and be
   python -m experiments.bench_ops --preset h200 --dtype bfloat16
   python -m experiments.bench_ops --preset memory      # forward+backward memory with and without remat
   python -m experiments.bench_ops --preset long        # many chunks, little batch: chunk vs associative
+  python -m experiments.bench_ops --methods chunk pallas --shapes 1,512,2,64   # any methods and shapes
+
+"pallas" is in the GPU presets only: on CPU its kernels run in Pallas' interpreter, which times nothing useful.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ PRESETS = {
                 methods=["recurrent", "plain_port", "chunk", "associative"]),
     "h200": dict(shapes=[(4, 2048, 16, 128), (2, 16384, 16, 128), (1, 8192, 96, 128), (4, 4096, 64, 128),
                          (8, 1024, 8, 64)],
-                 methods=["plain_port", "chunk", "associative"]),
-    "memory": dict(shapes=[(1, 65536, 4, 64)], methods=["chunk", "chunk_remat", "associative"]),
-    "long": dict(shapes=[(1, 65536, 2, 64), (1, 262144, 1, 64)], methods=["chunk", "associative"]),
+                 methods=["plain_port", "chunk", "associative", "pallas"]),
+    "memory": dict(shapes=[(1, 65536, 4, 64)], methods=["chunk", "chunk_remat", "associative", "pallas"]),
+    "long": dict(shapes=[(1, 65536, 2, 64), (1, 262144, 1, 64)], methods=["chunk", "associative", "pallas"]),
 }
 
 

@@ -69,7 +69,7 @@ class RecurrentConfig:
     _choice("output_gate", self.output_gate, OUTPUT_GATES)
     _choice("qk_norm", self.qk_norm, QK_NORMS)
     _choice("dt_init", self.dt_init, ("fla", "seed"))
-    _choice("method", self.method, ("auto", "recurrent", "chunk", "associative"))
+    _choice("method", self.method, ("auto", "recurrent", "chunk", "associative", "pallas"))
     _positive("decay_low_rank", self.decay_low_rank)
     if self.v_head_dim is not None:
       _positive("v_head_dim", self.v_head_dim)

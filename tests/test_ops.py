@@ -50,13 +50,19 @@ def _fwd_bwd(method, chunk_size, present, scale):
   return jax.jit(f)
 
 
-def run(method, x, *, chunk_size=16, scale=None, seed=1):
+def vjp_inputs(x, seed=1):
+  """(differentiable inputs, segment_ids, cotangents of (o, S)): the same cotangents for the same seed."""
   diff = {n: jnp.asarray(x[n]) for n in DIFF_ARGS if x[n] is not None}
   B, T, HV, V = x["v"].shape
   K = x["q"].shape[-1]
   rng = np.random.default_rng(seed)
   co = (jnp.asarray(rng.normal(size=(B, T, HV, V))), jnp.asarray(rng.normal(size=(B, HV, K, V))))
   seg = None if x["segment_ids"] is None else jnp.asarray(x["segment_ids"])
+  return diff, seg, co
+
+
+def run(method, x, *, chunk_size=16, scale=None, seed=1):
+  diff, seg, co = vjp_inputs(x, seed)
   o, S, grads = _fwd_bwd(method, chunk_size, tuple(sorted(diff)), scale)(diff, seg, co)
   return np.asarray(o, np.float64), np.asarray(S, np.float64), {n: np.asarray(g, np.float64)
                                                                    for n, g in grads.items()}

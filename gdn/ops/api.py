@@ -10,22 +10,28 @@ import jax
 from gdn.ops import checks
 from gdn.ops.associative import associative
 from gdn.ops.chunk import chunk
+from gdn.ops.pallas_chunk import pallas
 from gdn.ops.recurrent import recurrent
 
-_IMPLS = {"recurrent": recurrent, "chunk": chunk, "associative": associative}
+_IMPLS = {"recurrent": recurrent, "chunk": chunk, "associative": associative, "pallas": pallas}
 
 
 def pick_method(dims: checks.Dims, chunk_size: int) -> str:
-  """`method="auto"`: the token scan for a handful of tokens (decode); on accelerators the associative scan
-  when the batch's states are small (B HV K V <= 2^19: then each sequential chunk step is latency-bound and
-  log depth wins: 9x at (B, T, H, D) = (1, 65536, 2, 64) on an H200), else the sequential chunk scan.
-  docs/benchmarks.md has the measurements behind the threshold."""
+  """`method="auto"`: the token scan for a handful of tokens (decode). On a GPU, for sequences: the
+  associative scan when the Pallas state pass would run fewer than 64 programs (B HV ceil(V / 64): most of the
+  GPU's multiprocessors idle while each program walks all N chunks), else `pallas`; `chunk` for
+  per-value-channel beta, which neither supports. On TPU the associative scan for small states
+  (B HV K V <= 2^19), else `chunk`; on CPU `chunk`. docs/benchmarks.md has the H200 measurements behind both
+  thresholds."""
   if dims.T <= 8:
     return "recurrent"
-  small_state = dims.B * dims.HV * dims.K * dims.V <= 2**19
-  if jax.default_backend() != "cpu" and small_state and dims.beta_kind != "channel" and dims.T > chunk_size:
-    return "associative"
-  return "chunk"
+  backend = jax.default_backend()
+  if backend == "cpu" or dims.beta_kind == "channel" or dims.T <= chunk_size:
+    return "chunk"
+  if backend == "gpu":
+    programs = dims.B * dims.HV * -(-dims.V // 64)
+    return "associative" if programs < 64 else "pallas"
+  return "associative" if dims.B * dims.HV * dims.K * dims.V <= 2**19 else "chunk"
 
 
 def gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
@@ -42,7 +48,8 @@ def gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None, initial_state=No
     beta: None (plain additive write), [B, T, HV] or [B, T, HV, V]; values in [0, 2] are legal.
     initial_state: None or [B, HV, K, V]. segment_ids: None or [B, T] integers; the state restarts
       from zero wherever the id differs from the previous position's.
-    method: "auto", "recurrent", "chunk" or "associative". chunk_size: tokens per chunk.
+    method: "auto", "recurrent", "chunk", "associative" or "pallas" (the chunk form with its sequential
+      part as a Pallas kernel; per-head or no beta only). chunk_size: tokens per chunk.
   Returns:
     o [B, T, HV, V] in v's dtype, and the final state [B, HV, K, V] in float32.
   """

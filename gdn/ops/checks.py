@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-METHODS = ("auto", "recurrent", "chunk", "associative")
+METHODS = ("auto", "recurrent", "chunk", "associative", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,110 @@
+"""`method="pallas"` (the chunk form with its state pass as Pallas kernels) against the float64 recurrence.
+
+Shapes: B batch, T time, H q/k heads, HV value heads, K key dim, V value dim, C chunk size, BV value block.
+
+On CPU the kernels run in Pallas' interpreter (what `method="pallas"` does there by default), so the cases
+are few and small: each combines several features (odd K and V, HV > H, T not a multiple of C, an initial
+state, packed segments). The `gpu` test runs the compiled Triton kernels at a realistic shape.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdn import ops
+from gdn.ops import checks, pallas_chunk
+from test_ops import DIFF_ARGS, assert_close, make_inputs, oracle, vjp_inputs
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_bwd(present, chunk_size, block_v, interpret):
+  """Jitted forward + VJP with fixed cotangents. With block_v and interpret None, through the public
+  `gated_delta_rule(method="pallas")`; else through `pallas_chunk.pallas`, which takes them."""
+
+  def f(diff, segment_ids, co):
+    def op(diff):
+      args = (diff["q"], diff["k"], diff["v"], diff.get("g"), diff.get("beta"))
+      if block_v is None and interpret is None:
+        return ops.gated_delta_rule(*args, initial_state=diff.get("initial_state"), segment_ids=segment_ids,
+                                    method="pallas", chunk_size=chunk_size)
+      dims = checks.check_sequence(*args, diff.get("initial_state"), segment_ids, None, "auto", chunk_size)
+      o, S = pallas_chunk.pallas(*args, scale=dims.K**-0.5, initial_state=diff.get("initial_state"),
+                                 segment_ids=segment_ids, dims=dims, chunk_size=chunk_size,
+                                 block_v=block_v or pallas_chunk.BLOCK_V, interpret=interpret)
+      return o.astype(diff["v"].dtype), S
+
+    (o, S), vjp = jax.vjp(op, diff)
+    (grads,) = vjp((co[0].astype(o.dtype), co[1].astype(S.dtype)))
+    return o, S, grads
+
+  return jax.jit(f)
+
+
+def run_pallas(x, *, chunk_size=8, block_v=None, interpret=None, seed=1):
+  """Forward, final state and all gradients, as `test_ops.run` (same cotangents for the same seed)."""
+  diff, seg, co = vjp_inputs(x, seed)
+  o, S, grads = _fwd_bwd(tuple(sorted(diff)), chunk_size, block_v, interpret)(diff, seg, co)
+  return (np.asarray(o, np.float64), np.asarray(S, np.float64),
+          {n: np.asarray(g, np.float64) for n, g in grads.items()})
+
+
+# (g, beta, C, block_v). Every case has T = 35 (not a multiple of C), grouped heads, odd K and V, an initial
+# state and packed segments. C = 8 is padded to 16 inside the kernels (Triton's smallest dot); C = 16 goes
+# through the public `method="pallas"`. block_v = 16 with V = 19 splits the value channels over two programs,
+# so the per-block partial sums of dW, dk_end and ddecay are checked too. Few cases, each compiled once:
+# compiling the chunk-local XLA work dominates the runtime on CPU.
+CASES = [
+    ("head", "head", 16, None),  # Gated DeltaNet
+    ("channel", "head", 8, 16),  # per-key-channel decay (KDA)
+    ("none", "head", 8, 64),  # DeltaNet: no decay
+    ("head", "none", 8, 16),  # no delta rule: gated linear attention
+]
+
+
+@pytest.mark.parametrize("g_kind, beta_kind, C, block_v", CASES)
+def test_float32_against_oracle(g_kind, beta_kind, C, block_v):
+  x = make_inputs(21, 2, 35, 2, 4, 5, 19, g_kind, beta_kind, segments=True)
+  got = run_pallas(x, chunk_size=C, block_v=block_v)
+  assert_close(got, oracle(x), 1e-5, f"pallas g={g_kind} beta={beta_kind} C={C}")
+
+
+def test_bfloat16_inputs():
+  x = make_inputs(23, 2, 40, 2, 2, 16, 16, "head", "head")
+  x_bf = {n: a if a is None or n == "segment_ids" else jnp.asarray(a, jnp.bfloat16) for n, a in x.items()}
+  x_bf["initial_state"] = x["initial_state"]  # the state is float32 by contract
+  x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
+           for n, a in x_bf.items()}
+  assert_close(run_pallas(x_bf), oracle(x_ref), 2e-2, "bf16 pallas")
+
+
+def test_per_value_channel_beta_is_declined():
+  x = make_inputs(24, 1, 8, 1, 1, 4, 4, "head", "channel")
+  with pytest.raises(ValueError, match="pallas.*per-value-channel beta"):
+    ops.gated_delta_rule(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")), method="pallas")
+
+
+def test_kernels_lower_to_triton():
+  """The compiled path (not the interpreter) lowers for CUDA: both kernels become Triton calls. Catches
+  what the interpreter accepts and Triton does not (shapes, dot layouts) without a GPU."""
+  x = make_inputs(25, 1, 40, 1, 2, 5, 19, "channel", "head", segments=True)
+  diff = {n: jnp.asarray(x[n]) for n in DIFF_ARGS}
+  co = (jnp.ones((1, 40, 2, 19)), jnp.ones((1, 2, 5, 19)))
+  fn = _fwd_bwd(tuple(sorted(diff)), 8, 16, False)
+  hlo = fn.trace(diff, jnp.asarray(x["segment_ids"]), co).lower(lowering_platforms=("cuda",)).as_text()
+  assert hlo.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
+def test_compiled_on_gpu(dtype, tol):
+  """The compiled Triton kernels at a realistic shape: B = 2, T = 1024, H = 4, K = V = 128."""
+  x = make_inputs(26, 2, 1024, 4, 4, 128, 128, "head", "head", segments=True)
+  if dtype == "bfloat16":
+    x = {n: a if a is None or n in ("segment_ids", "initial_state") else jnp.asarray(a, jnp.bfloat16)
+         for n, a in x.items()}
+  x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
+           for n, a in x.items()}
+  assert_close(run_pallas(x, chunk_size=64, interpret=False), oracle(x_ref), tol, f"gpu pallas {dtype}")
