@@ -1,6 +1,6 @@
 """The language model: embeddings, a stack of pre-norm residual blocks following `ModelConfig.layer_kinds`, a head.
 
-Shapes: B batch, T time, D d_model, Vocab vocabulary size.
+Shapes: B batch, T time (this device's slice under context parallelism), D d_model, Vocab vocabulary size.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ class Block(nnx.Module):
   def init_cache(self, batch: int, max_len: int):
     return self.mixer.init_cache(batch, max_len)
 
-  def __call__(self, x, *, segment_ids=None, cache=None):
-    h, cache = self.mixer(self.mixer_norm(x), segment_ids=segment_ids, cache=cache)
+  def __call__(self, x, *, segment_ids=None, cache=None, context_axis=None):
+    h, cache = self.mixer(self.mixer_norm(x), segment_ids=segment_ids, cache=cache, context_axis=context_axis)
     x = x + h
     return x + self.mlp(self.mlp_norm(x)), cache
 
@@ -57,6 +57,9 @@ class LanguageModel(nnx.Module):
 
   Inference: `cache = model.init_cache(B, max_len)`, `logits, cache = model.prefill(tokens, cache)` (any number
   of pieces), then `logits, cache = model.decode_step(token [B, 1], cache)`.
+
+  Context parallelism (one long sequence split over a mesh axis): `gdn.parallel.context_parallel_apply`, which
+  calls `model(tokens, context_axis=name)` inside a `shard_map` over that axis.
 
   Parameters are float32; `cfg.dtype` is the compute dtype. Initialisation: embeddings, projections and short
   convs normal(init_std); the two residual output projections of each block normal(init_std / sqrt(2 L));
@@ -76,14 +79,17 @@ class LanguageModel(nnx.Module):
                     nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, kernel_init=init, dtype=dtype,
                                rngs=rngs))
 
-  def __call__(self, tokens, *, segment_ids=None):
+  def __call__(self, tokens, *, segment_ids=None, context_axis=None):
+    """tokens [B, T] -> logits [B, T, Vocab]. context_axis: None, or the name of a mesh axis over which the
+    sequence is split, when called inside a `shard_map` over it: tokens and segment_ids are then this device's
+    slice [B, T / D] (device d holding positions [d T / D, (d + 1) T / D)), and so are the logits."""
     self._check_tokens(tokens)
     if segment_ids is not None:
       if segment_ids.shape != tokens.shape:
         raise ValueError(f"segment_ids must be [B, T] = {tokens.shape}, got {segment_ids.shape}")
       if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise TypeError(f"segment_ids must be an integer array, got dtype {segment_ids.dtype}")
-    logits, _ = self._run(tokens, segment_ids, None)
+    logits, _ = self._run(tokens, segment_ids, None, context_axis)
     return logits
 
   def init_cache(self, batch: int, max_len: int) -> tuple:
@@ -108,11 +114,11 @@ class LanguageModel(nnx.Module):
     self._check_cache(cache)
     return self._run(tokens, None, cache)
 
-  def _run(self, tokens, segment_ids, cache):
+  def _run(self, tokens, segment_ids, cache, context_axis=None):
     x = self.embed(tokens)
     new_cache = []
     for i, block in enumerate(self.blocks):
-      x, c = block(x, segment_ids=segment_ids, cache=None if cache is None else cache[i])
+      x, c = block(x, segment_ids=segment_ids, cache=None if cache is None else cache[i], context_axis=context_axis)
       new_cache.append(c)
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)

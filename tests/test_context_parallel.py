@@ -9,12 +9,12 @@ JSON for the test here to judge.
 """
 
 import json
-import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from devices import run_child
 
 B, T, H, HV, K, V, C = 2, 141, 1, 2, 8, 6, 16
 # T = 8 * 18 - 3: slices of 18, 36 and 72 steps for D = 8, 4, 2 (each padded at the sequence end, none a
@@ -100,17 +100,7 @@ def _child(group):
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_matches_single_device_on_cpu_devices(group):
   """Outputs, final state and the gradients of q, k, v, g, beta, initial_state equal one device's."""
-  here = os.path.dirname(os.path.abspath(__file__))
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-  env["JAX_PLATFORMS"] = "cpu"
-  # Compiling with fewer optimisations is 2-3x faster here; what is checked is the math, not XLA's fusions.
-  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-  env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
-  proc = subprocess.run([sys.executable, os.path.abspath(__file__), group], env=env, capture_output=True,
-                        text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  results = json.loads(proc.stdout.strip().splitlines()[-1])
+  results = run_child(__file__, group)
   assert len(results) == len(GROUPS[group])
   bad = [f"{r['case']}: {n} {e:.1e}" for r in results for n, e in r["errors"].items() if not e <= TOL]
   assert not bad, "relative error above {:.0e}:\n".format(TOL) + "\n".join(bad)

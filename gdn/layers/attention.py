@@ -1,6 +1,8 @@
-"""Causal softmax attention: RoPE (full or partial), GQA, sliding window, sigmoid output gate, KV cache.
+"""Causal softmax attention: RoPE (full or partial), GQA, sliding window, sigmoid output gate, KV cache,
+context parallelism (the sequence split over a mesh axis, keys and values all-gathered).
 
-Shapes: B batch, T new tokens, L cache slots, S keys attended (L + T), D d_model, N q heads, G kv heads, E head dim.
+Shapes: B batch, T new tokens (this device's slice under context parallelism), L cache slots, S keys attended
+(L + T; the whole sequence under context parallelism), D d_model, N q heads, G kv heads, E head dim.
 """
 
 from __future__ import annotations
@@ -87,11 +89,18 @@ class Attention(nnx.Module):
           and self.cfg.head_dim % 8 == 0 and self.cfg.head_dim <= 128)
     return "cudnn" if ok else None
 
-  def __call__(self, x, *, segment_ids=None, cache: Optional[KVCache] = None):
+  def __call__(self, x, *, segment_ids=None, cache: Optional[KVCache] = None, context_axis=None):
     """x [B, T, D] -> (y [B, T, D], new cache or None). A cache continues at cache.pos; global layers must not
-    be fed more than max_len tokens in total (the ring would wrap and turn into a max_len window)."""
+    be fed more than max_len tokens in total (the ring would wrap and turn into a max_len window).
+
+    context_axis: None, or the name of a mesh axis over which the sequence is split (inside a `shard_map`,
+    device d holding positions [d T, (d + 1) T)): x and segment_ids are this device's slice; its queries
+    attend over the keys and values of every device's slice (`_attend_gathered`).
+    """
     cfg = self.cfg
     check_mixer_call(x, self.d_model, segment_ids, cache)
+    if context_axis is not None and cache is not None:
+      raise ValueError("a KV cache cannot be combined with context_axis: decoding runs on one device")
     B, T, _ = x.shape
     N, G, E = cfg.num_heads, cfg.KVH, cfg.head_dim
 
@@ -104,16 +113,21 @@ class Attention(nnx.Module):
     v = self.v_proj(x).reshape(B, T, G, E)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
-    pos0 = jnp.zeros((), jnp.int32) if cache is None else cache.pos
+    if context_axis is not None:
+      pos0 = jax.lax.axis_index(context_axis).astype(jnp.int32) * T
+    else:
+      pos0 = jnp.zeros((), jnp.int32) if cache is None else cache.pos
     positions = pos0 + jnp.arange(T, dtype=jnp.int32)
     q = rope(q, positions, theta=cfg.rope_theta, rot_dim=self.rot_dim)
     k = rope(k, positions, theta=cfg.rope_theta, rot_dim=self.rot_dim)
 
-    if cache is None:
+    if segment_ids is not None and segment_ids.shape != (B, T):
+      raise ValueError(f"segment_ids must be [B, T] = {(B, T)}, got {segment_ids.shape}")
+    if context_axis is not None:
+      o, new_cache = self._attend_gathered(q, k, v, positions, segment_ids, context_axis), None
+    elif cache is None:
       mask = None
       if segment_ids is not None:
-        if segment_ids.shape != (B, T):
-          raise ValueError(f"segment_ids must be [B, T] = {(B, T)}, got {segment_ids.shape}")
         seg = segment_index(segment_ids)
         mask = (seg[:, :, None] == seg[:, None, :])[:, None]
       o = jax.nn.dot_product_attention(
@@ -127,6 +141,27 @@ class Attention(nnx.Module):
     if gate is not None:
       o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(o.dtype)
     return self.o_proj(o.reshape(B, T, N * E)), new_cache
+
+  def _attend_gathered(self, q, k, v, positions, segment_ids, axis_name):
+    """This device's queries [B, T, N, E] at global `positions` [T] over the keys and values of every device's
+    slice along `axis_name`, all-gathered to [B, S, G, E] (S = D T; the backward reduce-scatters their
+    cotangents). The causal mask is built from global positions: the `is_causal` flag of
+    `dot_product_attention` assumes the queries start at key 0."""
+    T = q.shape[1]
+    gather = lambda a: jax.lax.all_gather(a, axis_name, axis=1, tiled=True)
+    kk, vv = gather(k), gather(v)
+    kpos = jnp.arange(kk.shape[1], dtype=jnp.int32)  # [S]
+    ok = kpos[None, :] <= positions[:, None]  # [T, S]
+    if self.window:
+      ok = ok & (positions[:, None] - kpos[None, :] < self.window)
+    ok = ok[None, None]
+    if segment_ids is not None:
+      # Segments are numbered over the whole sequence (a segment may start on a slice boundary or span slices);
+      # a row's ids are T integers per device, small beside its keys.
+      seg = segment_index(gather(segment_ids))  # [B, S]
+      seg_q = jax.lax.dynamic_slice_in_dim(seg, positions[0], T, axis=1)  # [B, T]
+      ok = ok & (seg_q[:, :, None] == seg[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(q, kk, vv, mask=ok, implementation=self._implementation(q.dtype, True))
 
   def _attend_cached(self, q, k, v, positions, cache: KVCache):
     """Attend over [cached keys, new keys] (before writing, so a ring slot about to be overwritten still counts)

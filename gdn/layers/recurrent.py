@@ -1,6 +1,7 @@
 """The delta-rule mixer family as one module: projections, short conv, gates and output norm around the op.
 
-Shapes: B batch, T time, D d_model, H q/k heads, HV value heads, K key dim, V value dim, W conv size, R rank.
+Shapes: B batch, T time (this device's slice under context parallelism), D d_model, H q/k heads, HV value heads,
+K key dim, V value dim, W conv size, R rank.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from gdn.config import RecurrentConfig
 from gdn.layers.conv import ShortConv
 from gdn.layers.norms import ACTIVATIONS, GatedRMSNorm, RMSNorm
 from gdn.layers.segments import check_mixer_call
+from gdn.ops.context_parallel import local_gated_delta_rule
 
 
 class RecurrentCache(NamedTuple):
@@ -111,14 +113,19 @@ class RecurrentMixer(nnx.Module):
     conv = self.conv.init_state(batch) if self.conv is not None else None
     return RecurrentCache(conv, jnp.zeros((batch, cfg.HV, cfg.head_dim, cfg.V), jnp.float32))
 
-  def __call__(self, x, *, segment_ids=None, cache: Optional[RecurrentCache] = None):
+  def __call__(self, x, *, segment_ids=None, cache: Optional[RecurrentCache] = None, context_axis=None):
     """x [B, T, D] -> (y [B, T, D], new cache or None).
 
     With a cache, T == 1 runs `gated_delta_rule_step` (decoding); T > 1 runs the sequence op from the cached
     state (prefill, possibly in pieces). segment_ids [B, T] restart the state (training on packed data).
+    context_axis: None, or the name of a mesh axis over which the sequence is split (inside a `shard_map`):
+    x and segment_ids are this device's slice; the op runs as `local_gated_delta_rule` and the short conv
+    takes the previous device's last inputs.
     """
     cfg = self.cfg
     check_mixer_call(x, self.d_model, segment_ids, cache)
+    if context_axis is not None and cache is not None:
+      raise ValueError("a recurrent cache cannot be combined with context_axis: decoding runs on one device")
     B, T, _ = x.shape
     H, HV, K, V = cfg.num_heads, cfg.HV, cfg.head_dim, cfg.V
 
@@ -126,7 +133,7 @@ class RecurrentMixer(nnx.Module):
     conv_state = None
     if self.conv is not None:
       qkv, conv_state = self.conv(jnp.concatenate([q, k, v], axis=-1), segment_ids=segment_ids,
-                                  state=None if cache is None else cache.conv)
+                                  state=None if cache is None else cache.conv, context_axis=context_axis)
       q, k, v = jnp.split(jax.nn.silu(qkv), [H * K, 2 * H * K], axis=-1)
     q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
     if cfg.qk_norm == "l2":
@@ -147,6 +154,11 @@ class RecurrentMixer(nnx.Module):
       at0 = lambda a: None if a is None else a[:, 0]
       o, S = ops.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], at0(g), at0(beta), state=S0, scale=1.0)
       o = o[:, None]
+    elif context_axis is not None:
+      # The token scan has no slice map: "auto" and "recurrent" run the chunk form across devices.
+      method = cfg.method if cfg.method in ("chunk", "associative") else "chunk"
+      o, S = local_gated_delta_rule(q, k, v, g, beta, axis_name=context_axis, scale=1.0, segment_ids=segment_ids,
+                                    method=method, chunk_size=cfg.chunk_size)
     else:
       o, S = ops.gated_delta_rule(q, k, v, g, beta, scale=1.0, initial_state=S0, segment_ids=segment_ids,
                                   method=cfg.method, chunk_size=cfg.chunk_size)

@@ -11,6 +11,10 @@ B [K, V] per head; M the product of the slice's chunk maps, B the accumulated of
   2. all-gathers the D maps and folds them from `initial_state` up to its own index: its entering state;
   3. computes its chunks' entering states and its outputs from that state.
 
+`local_gated_delta_rule` is one device's part, for callers already inside a `shard_map` over the axis (the
+models under `gdn.parallel.context_parallel_apply`, which run all their layers in one); the public
+`context_parallel_gated_delta_rule` pads the sequence and wraps that part in its own `shard_map`.
+
 Communication per layer and per batch row, for one mesh axis of D devices (float32, HV heads):
   forward  one all-gather of HV (K^2 + K V) floats from each device (HV (K + K V) without the delta rule,
            where M is diagonal), so each device receives (D - 1) HV (K^2 + K V) floats; one all-reduce of the
@@ -75,21 +79,8 @@ def context_parallel_gated_delta_rule(q, k, v, g=None, beta=None, *, mesh, axis_
     [B, HV, K, V] (float32): the last device's end state, replicated over `axis_name`.
   """
   dims = checks.check_sequence(q, k, v, g, beta, initial_state, segment_ids, scale, "chunk", chunk_size)
-  if method not in METHODS:
-    raise ValueError(f"method must be one of {METHODS} for context parallelism, got {method!r} (the token "
-                     "scan 'recurrent' has no slice map; use gdn.ops.gated_delta_rule on one device)")
-  if dims.beta_kind == "channel":
-    raise ValueError("context_parallel_gated_delta_rule does not support per-value-channel beta "
-                     "([B, T, HV, V]): each value channel would need its own [K, K] slice map; use a per-head "
-                     "beta [B, T, HV] or gdn.ops.gated_delta_rule on one device")
-  D = _axis_size(mesh, axis_name, "axis_name")
-  Db = 1 if batch_axis_name is None else _axis_size(mesh, batch_axis_name, "batch_axis_name")
-  if batch_axis_name == axis_name:
-    raise ValueError(f"batch_axis_name must differ from axis_name, both are {axis_name!r}")
-  if dims.B % Db:
-    raise ValueError(f"the batch B={dims.B} must be a multiple of the mesh axis {batch_axis_name!r} "
-                     f"of size {Db}")
-  method = "chunk" if method == "auto" else method
+  _check_supported(dims, method)
+  D = check_mesh_axes(mesh, axis_name, batch_axis_name, dims.B)
 
   # Padding steps (k = v = g = beta = 0, the last segment continued) leave the state unchanged.
   L = -(-dims.T // D)
@@ -97,21 +88,55 @@ def context_parallel_gated_delta_rule(q, k, v, g=None, beta=None, *, mesh, axis_
   pad_t = lambda x: x if x is None or not pad else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
   if pad and segment_ids is not None:
     segment_ids = jnp.pad(segment_ids, [(0, 0), (0, pad)], mode="edge")
-  local_dims = dataclasses.replace(dims, B=dims.B // Db, T=L)
   seq = PartitionSpec(batch_axis_name, axis_name)
   rows = PartitionSpec(batch_axis_name)
   args = (pad_t(q), pad_t(k), pad_t(v), pad_t(g), pad_t(beta), initial_state, segment_ids)
   specs = (seq, seq, seq, seq, seq, rows, seq)
-  args = tuple(_place(x, mesh, s) for x, s in zip(args, specs))
-  body = functools.partial(_slice, dims=local_dims, axis_name=axis_name, scale=checks.default_scale(scale, dims.K),
-                           method=method, chunk_size=chunk_size)
-  if remat:
-    body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names(chunk.STATES, MAPS))
+  args = tuple(place(x, mesh, s) for x, s in zip(args, specs))
+
+  def body(q, k, v, g, beta, initial_state, segment_ids):
+    return local_gated_delta_rule(q, k, v, g, beta, axis_name=axis_name, scale=scale, initial_state=initial_state,
+                                  segment_ids=segment_ids, method=method, chunk_size=chunk_size, remat=remat)
+
   o, S_T = _shard_map(body, mesh=mesh, in_specs=specs, out_specs=(seq, rows))(*args)
   if pad:
     # An Explicit axis cannot split the unpadded length evenly: the cut output is not split over time.
-    o = _place(o, mesh, rows)
+    o = place(o, mesh, rows)
   return o[:, :dims.T], S_T
+
+
+def local_gated_delta_rule(q, k, v, g=None, beta=None, *, axis_name, scale=None, initial_state=None,
+                           segment_ids=None, method="auto", chunk_size=64, remat=False):
+  """One device's part of `context_parallel_gated_delta_rule`, to be called where the mesh axis `axis_name`
+  is bound (inside a `shard_map`): the arguments are this device's slice, device d of the axis holding time
+  steps [d L, (d + 1) L) of the sequence. Every device's slice has the same length L, which need not be a
+  multiple of chunk_size.
+
+  Args:
+    q, k: [B, L, H, K]. v: [B, L, HV, V]. g: None, [B, L, HV] or [B, L, HV, K]. beta: None or [B, L, HV].
+    initial_state: None or [B, HV, K, V], the state entering the whole sequence (the same on every device).
+    segment_ids: None or [B, L], this slice of the sequence's ids. Others as `context_parallel_gated_delta_rule`.
+  Returns:
+    o [B, L, HV, V] in v's dtype (this slice's outputs) and the final state [B, HV, K, V] (float32) of the
+    whole sequence, the same on every device.
+  """
+  dims = checks.check_sequence(q, k, v, g, beta, initial_state, segment_ids, scale, "chunk", chunk_size)
+  _check_supported(dims, method)
+  body = functools.partial(_slice, dims=dims, axis_name=axis_name, scale=checks.default_scale(scale, dims.K),
+                           method="chunk" if method == "auto" else method, chunk_size=chunk_size)
+  if remat:
+    body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names(chunk.STATES, MAPS))
+  return body(q, k, v, g, beta, initial_state, segment_ids)
+
+
+def _check_supported(dims, method):
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS} for context parallelism, got {method!r} (the token "
+                     "scan 'recurrent' has no slice map; use gdn.ops.gated_delta_rule on one device)")
+  if dims.beta_kind == "channel":
+    raise ValueError("context_parallel_gated_delta_rule does not support per-value-channel beta "
+                     "([B, T, HV, V]): each value channel would need its own [K, K] slice map; use a per-head "
+                     "beta [B, T, HV] or gdn.ops.gated_delta_rule on one device")
 
 
 def _slice(q, k, v, g, beta, initial_state, segment_ids, *, dims, axis_name, scale, method, chunk_size):
@@ -195,13 +220,21 @@ def _varying_axes(x) -> frozenset:
   return frozenset(kind.varying if kind is not None else getattr(aval, "vma", ()))
 
 
-def _axis_size(mesh, name, arg):
-  if name not in mesh.axis_names:
-    raise ValueError(f"{arg}={name!r} is not an axis of the mesh, whose axes are {tuple(mesh.axis_names)}")
-  return mesh.shape[name]
+def check_mesh_axes(mesh, axis_name, batch_axis_name, B: int) -> int:
+  """The size D of the sequence axis `axis_name`, after checking that it and `batch_axis_name` (None or a
+  second axis, over which the batch B is split) are axes of the mesh, that they differ and that B splits."""
+  for arg, name in (("axis_name", axis_name), ("batch_axis_name", batch_axis_name)):
+    if name is not None and name not in mesh.axis_names:
+      raise ValueError(f"{arg}={name!r} is not an axis of the mesh, whose axes are {tuple(mesh.axis_names)}")
+  if batch_axis_name == axis_name:
+    raise ValueError(f"batch_axis_name must differ from axis_name, both are {axis_name!r}")
+  Db = 1 if batch_axis_name is None else mesh.shape[batch_axis_name]
+  if B % Db:
+    raise ValueError(f"the batch B={B} must be a multiple of the mesh axis {batch_axis_name!r} of size {Db}")
+  return mesh.shape[axis_name]
 
 
-def _place(x, mesh, spec):
+def place(x, mesh, spec):
   """x resharded to `spec` where the mesh's axes are Explicit (shard_map then asks for matching input types);
   on Auto axes shard_map moves the data itself."""
   if x is None:
