@@ -4,6 +4,10 @@ Batch `i` of a run is a pure function of (seed, i), so the data position saved i
 iterator state (the next index) and a resumed run sees exactly the batches it would have seen.
 A batch is a dict of numpy arrays: inputs int32 [B, T], targets int32 [B, T], weights float32 [B, T]
 (the loss and the accuracies count only positions with weight > 0).
+
+In a run over several processes each one loads only `rows` of every batch (its devices' share, see
+`gdn.train.sharding.process_rows`). The iterator state is still just the next batch index, the same in every
+process as they step together, so one copy of it in a checkpoint serves them all.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ class Split:
 class Task:
   name: str
   vocab_size: int
-  train: grain.MapDataset  # element i is training batch i
+  train: grain.MapDataset  # element i is training batch i (its `rows` where make_task was given rows)
   evals: tuple  # of Split
   chance: float = 0.0  # accuracy of guessing, for the scaled accuracy (acc - chance) / (1 - chance)
   bits_per_token: bool = False  # report loss in bits (byte-level text: bits per byte)
@@ -45,9 +49,16 @@ def check_settings(name: str, settings, width: int) -> tuple:
 
 
 def synthetic_train(make_batch: Callable[[np.random.Generator, int], dict], batch_size: int, seed: int,
-                    num_batches: int) -> grain.MapDataset:
-  """`num_batches` batches, batch i drawn by `make_batch` from a generator seeded by (seed, i)."""
-  return grain.MapDataset.range(num_batches).random_map(lambda i, rng: make_batch(rng, batch_size), seed=seed)
+                    num_batches: int, rows: Optional[slice] = None) -> grain.MapDataset:
+  """`num_batches` batches, batch i drawn by `make_batch` from a generator seeded by (seed, i).
+
+  rows: keep only these rows of every batch (None: all). The whole batch is still drawn and then cut: its
+  rows come from one generator stream in turn (and a task may pick one length per batch, or redraw rows
+  that repeat a key), so a row cannot be drawn without the rows before it; drawing them costs little next to
+  a train step, and every process gets exactly its rows of the batch a single process would see.
+  """
+  ds = grain.MapDataset.range(num_batches).random_map(lambda i, rng: make_batch(rng, batch_size), seed=seed)
+  return ds if rows is None else ds.map(lambda batch: {name: x[rows] for name, x in batch.items()})
 
 
 def eval_batches(split: Split, batch_size: int, seed: int) -> list:

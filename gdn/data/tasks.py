@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 from gdn.data import mqar, niah, state_tracking, text
 from gdn.data.pipeline import Task, synthetic_train
@@ -33,24 +34,31 @@ class DataConfig:
     return self.eval_batch_size or self.batch_size
 
 
-def make_task(cfg: DataConfig, seed: int, num_batches: int) -> Task:
-  """The task's first `num_batches` training batches (a grain dataset) and its eval splits."""
+def make_task(cfg: DataConfig, seed: int, num_batches: int, rows: Optional[slice] = None) -> Task:
+  """The task's first `num_batches` training batches (a grain dataset) and its eval splits.
+
+  rows: the rows of every training batch that this process loads (None: all); a multi-process run passes
+  `gdn.train.sharding.process_rows`. Text reads only these rows' windows; the synthetic tasks draw the whole
+  batch and cut it (see `synthetic_train`).
+  """
   B = cfg.batch_size
+  if rows is not None and not 0 <= rows.start < rows.stop <= B:
+    raise ValueError(f"rows [{rows.start}, {rows.stop}) are not inside a batch of {B}")
   if cfg.task == "mqar":
     c = cfg.mqar
-    train = synthetic_train(functools.partial(mqar.train_batch, c), B, seed, num_batches)
+    train = synthetic_train(functools.partial(mqar.train_batch, c), B, seed, num_batches, rows)
     return Task("mqar", c.vocab_size, train, tuple(mqar.eval_splits(c)), chance=2.0 / c.vocab_size)
   if cfg.task == "niah":
     c = cfg.niah
     make = lambda rng, n: niah.train_batch(c, rng, n, seed)
-    return Task("niah", c.vocab_size, synthetic_train(make, B, seed, num_batches),
+    return Task("niah", c.vocab_size, synthetic_train(make, B, seed, num_batches, rows),
                 tuple(niah.eval_splits(c, seed)), chance=1.0 / c.vocab_size)
   if cfg.task == "state":
     c = cfg.state
-    train = synthetic_train(functools.partial(state_tracking.train_batch, c), B, seed, num_batches)
+    train = synthetic_train(functools.partial(state_tracking.train_batch, c), B, seed, num_batches, rows)
     return Task(c.task, state_tracking.vocab_size(c), train, tuple(state_tracking.eval_splits(c)),
                 chance=state_tracking.chance(c))
   c = cfg.text
   vocab = 256 if cfg.task == "bytes" else c.vocab_size
-  return Task(cfg.task, vocab, text.train_dataset(c, cfg.task, B, seed, num_batches),
+  return Task(cfg.task, vocab, text.train_dataset(c, cfg.task, B, seed, num_batches, rows),
               tuple(text.eval_splits(c, cfg.task)), bits_per_token=cfg.task == "bytes")

@@ -15,6 +15,7 @@ import os
 import pathlib
 import sysconfig
 import zlib
+from typing import Optional
 
 import grain
 import numpy as np
@@ -106,11 +107,18 @@ def streams(cfg: TextConfig, kind: str) -> tuple:
   return token_stream(cfg.train_file, cfg.token_dtype), token_stream(cfg.val_file, cfg.token_dtype)
 
 
-def train_dataset(cfg: TextConfig, kind: str, batch_size: int, seed: int, num_batches: int) -> grain.MapDataset:
-  """Shuffled windows, reshuffled every epoch, batched; element i is batch i."""
+def train_dataset(cfg: TextConfig, kind: str, batch_size: int, seed: int, num_batches: int,
+                  rows: Optional[slice] = None) -> grain.MapDataset:
+  """Shuffled windows, reshuffled every epoch, batched; element i is batch i, or its `rows` only."""
   train, _ = streams(cfg, kind)
   ds = grain.MapDataset.source(Windows(train, cfg.seq_len)).shuffle(seed=seed).repeat(None)
-  return ds.batch(batch_size, drop_remainder=True).map(_example)[:num_batches]
+  if rows is None:
+    return ds.batch(batch_size, drop_remainder=True).map(_example)[:num_batches]
+  # Row r of batch i is window i * batch_size + r of the shuffled stream (what `batch` stacks), and windows are
+  # read one by one, so a process reads only its own rows' windows.
+  picks = np.arange(batch_size)[rows]
+  return grain.MapDataset.range(num_batches).map(
+      lambda i: _example(np.stack([ds[i * batch_size + r] for r in picks])))
 
 
 def eval_splits(cfg: TextConfig, kind: str) -> list:

@@ -6,11 +6,18 @@ SHA-256 of every array). Orbax makes a save atomic (written to a temporary direc
 complete), so a kill mid-save leaves no step directory; the digest catches what atomicity cannot (bytes
 changed or lost on disk later). A checkpoint that fails to load or to match its digest is moved to
 `<dir>/../corrupt_checkpoints/` with a warning and the previous one is tried.
+
+Several processes: every process calls save and restore (orbax synchronises them). The state is gathered to
+every host as whole arrays, an allgather for an array split over other hosts' devices (FSDP across hosts), so
+every process computes the same digest and orbax writes the arrays, the data position and the metadata once,
+from process 0. The data position is one grain index that every process advances together; save checks that
+it is the same everywhere, since a checkpoint keeps one copy.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import warnings
@@ -18,6 +25,7 @@ import warnings
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 
 def _name(p) -> str:
@@ -39,8 +47,16 @@ def to_arrays(state) -> dict:
     names = [_name(p) for p in path]
     for n in names[:-1]:
       node = node.setdefault(n, {})
-    node[names[-1]] = np.asarray(jax.device_get(jax.random.key_data(leaf) if _is_key(leaf) else leaf))
+    node[names[-1]] = _to_host(jax.random.key_data(leaf) if _is_key(leaf) else leaf)
   return out
+
+
+def _to_host(x) -> np.ndarray:
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    # Part of it may live only on other hosts' devices. Every process reaches this for the same leaves in the
+    # same order (addressability is a property of the mesh), as the collective needs.
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))
 
 
 def from_arrays(arrays: dict, template):
@@ -94,6 +110,10 @@ class Checkpoints:
                                          item_names=("state", "data", "meta"))
 
   def save(self, step: int, state, data_state: dict) -> None:
+    if jax.process_count() > 1:
+      code = np.frombuffer(hashlib.sha256(json.dumps(data_state, sort_keys=True).encode()).digest(), np.uint8)
+      multihost_utils.assert_equal(code, f"the data iterator state differs between processes at step {step}: "
+                                         f"{data_state} in process {jax.process_index()}")
     arrays = to_arrays(state)
     meta = dict(step=int(step), digest=digest(arrays))
     self.manager.save(step, args=ocp.args.Composite(
@@ -127,10 +147,13 @@ class Checkpoints:
         aside = os.path.join(os.path.dirname(self.directory), "corrupt_checkpoints", str(step))
         warnings.warn(f"checkpoint {step} in {self.directory} is corrupt or partial "
                       f"({type(e).__name__}: {str(e)[:200]}); moved it to {aside}, trying the previous one")
-        if os.path.exists(aside):
-          shutil.rmtree(aside)
-        os.makedirs(os.path.dirname(aside), exist_ok=True)
-        shutil.move(os.path.join(self.directory, str(step)), aside)
+        if jax.process_index() == 0:  # the directory is shared: one process moves it, the others wait
+          if os.path.exists(aside):
+            shutil.rmtree(aside)
+          os.makedirs(os.path.dirname(aside), exist_ok=True)
+          shutil.move(os.path.join(self.directory, str(step)), aside)
+        if jax.process_count() > 1:
+          multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
         self.manager.reload()
     return None
 

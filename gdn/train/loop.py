@@ -23,19 +23,44 @@ def write_config(cfg: ExperimentConfig, workdir: str) -> None:
     json.dump(to_dict(cfg), f, indent=2, default=_json_default)
 
 
+class _NoWriter:
+  """The metric writer of processes other than 0: they compute the same metrics, process 0 records them."""
+
+  def write(self, step, prefix, metrics):
+    pass
+
+  def close(self):
+    pass
+
+
 def train(cfg: ExperimentConfig, log=print) -> dict:
   """Trains (or resumes) `cfg` in `cfg.run_dir`; returns the summary also written to summary.json.
 
   The work directory holds config.json (the resolved config), metrics.jsonl, tb/ (TensorBoard),
-  checkpoints/ and summary.json.
+  checkpoints/ and summary.json. Several processes (after `jax.distributed.initialize()`) run the same call
+  on a shared work directory: each loads its own rows of every batch, process 0 alone writes the files other
+  than checkpoints and logs.
   """
   workdir = cfg.run_dir
+  primary = jax.process_index() == 0
+  if not primary:
+    log = lambda *a: None
   os.makedirs(workdir, exist_ok=True)
-  write_config(cfg, workdir)
+  if primary:
+    write_config(cfg, workdir)
   tc = cfg.train
   last = tc.last_step
+  B = cfg.data.batch_size
 
-  task = make_task(cfg.data, cfg.seed, last)
+  try:
+    mesh = sharding.make_mesh(tc.mesh_data, tc.mesh_fsdp)
+  except ValueError as e:
+    raise ConfigError(f"config.train.mesh_data / mesh_fsdp: {e}") from None
+  if B % mesh.size:
+    raise ConfigError(f"config.data.batch_size {B} must be a multiple of the {mesh.size} devices")
+  # One process loads whole batches exactly as it always has; with several, each loads its devices' rows.
+  rows = sharding.process_rows(mesh, B) if jax.process_count() > 1 else None
+  task = make_task(cfg.data, cfg.seed, last, rows)
   if task.vocab_size > cfg.model.vocab_size:
     raise ConfigError(f"config.model.vocab_size {cfg.model.vocab_size} is smaller than the vocabulary of task "
                       f"{task.name!r} ({task.vocab_size})")
@@ -50,14 +75,8 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
   if restored is not None:
     state, data_state, start = restored
     log(f"resumed from step {start} in {workdir}")
-  try:
-    mesh = sharding.make_mesh(tc.mesh_data, tc.mesh_fsdp)
-  except ValueError as e:
-    raise ConfigError(f"config.train.mesh_data / mesh_fsdp: {e}") from None
-  if cfg.data.batch_size % mesh.size:
-    raise ConfigError(f"config.data.batch_size {cfg.data.batch_size} must be a multiple of the {mesh.size} devices")
-  state = jax.device_put(state, sharding.tree_shardings(state, mesh))
-  writer = metrics.MetricWriter(workdir, resume_step=start)
+  state = sharding.shard_state(state, mesh)
+  writer = metrics.MetricWriter(workdir, resume_step=start) if primary else _NoWriter()
   data = iterator(task.train, data_state, num_threads=cfg.data.num_threads)
   train_step = step.make_train_step(graphdef, tx, lr)
   eval_step = step.make_eval_step(graphdef)
@@ -73,7 +92,8 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
   # every step also bounds the steps in flight to two (XLA:CPU can deadlock with many queued donated steps).
   pending = None
   window_tokens, window_start = 0, time.perf_counter()
-  bar = tqdm.tqdm(total=last, initial=start, disable=not tc.progress_bar, dynamic_ncols=True, desc=cfg.name)
+  bar = tqdm.tqdm(total=last, initial=start, disable=not (tc.progress_bar and primary), dynamic_ncols=True,
+                  desc=cfg.name)
   t0 = time.perf_counter()
 
   def flush(pending):
@@ -89,7 +109,7 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
 
   try:
     for s in range(start + 1, last + 1):
-      batch = sharding.shard_batch(next(data), mesh)
+      batch = sharding.shard_batch(next(data), mesh, B)
       state, m = train_step(state, batch)
       window_tokens += batch["inputs"].size
       if pending is not None:
@@ -112,6 +132,7 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
 
   summary = dict(name=cfg.name, workdir=os.path.abspath(workdir), steps=last, params=n_params,
                  seconds=time.perf_counter() - t0, eval=final_eval)
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  if primary:
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
   return summary

@@ -4,7 +4,10 @@ The mesh has axes ("data", "fsdp"). Batches split their batch axis over both; ev
 optimizer moments) splits its largest axis that the "fsdp" size divides, the rest is replicated. XLA inserts
 the all-gathers and reduce-scatters; one device is the mesh (1, 1) and runs the same code unchanged.
 Several hosts: call `jax.distributed.initialize()` first (see docs/scaling.md), then build the mesh over
-`jax.devices()` as here.
+`jax.devices()` as here. Each process then loads only the rows of a batch that its own devices hold
+(`process_rows`) and `shard_batch` assembles the global arrays from every process's rows.
+
+Shapes: B global batch, Bp the rows one process holds (B when there is one process), P processes.
 """
 
 from __future__ import annotations
@@ -45,15 +48,89 @@ def tree_shardings(tree, mesh: Mesh):
   return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(np.shape(x), fsdp)), tree)
 
 
+def shard_state(state, mesh: Mesh):
+  """A train state (identical in every process: same seed, or the same checkpoint) placed by `tree_shardings`.
+
+  One process: `jax.device_put`. Several: each process fills its own devices' shards from its own copy.
+  device_put would first compare every array across the processes (an allgather of the whole model), and it
+  does not take PRNG key arrays for a sharding that spans processes; keys travel as their raw data.
+  """
+  shardings = tree_shardings(state, mesh)
+  if jax.process_count() == 1:
+    return jax.device_put(state, shardings)
+
+  def put(x, sharding):
+    is_key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    host = np.asarray(jax.device_get(jax.random.key_data(x) if is_key else x))
+    sharding = NamedSharding(mesh, P()) if is_key else sharding  # key data has a trailing axis of its own
+    out = jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return jax.random.wrap_key_data(out, impl=jax.random.key_impl(x)) if is_key else out
+
+  return jax.tree.map(put, state, shardings)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """The batch axis split over every device of the mesh; other axes whole."""
   return NamedSharding(mesh, P(AXES))
 
 
-def shard_batch(batch, mesh: Mesh):
-  size = mesh.size
-  for name, x in batch.items():
-    if np.shape(x)[0] % size:
-      raise ValueError(f"batch[{name!r}] has batch size {np.shape(x)[0]}, not a multiple of the {size} devices "
-                       f"of the mesh {dict(mesh.shape)}")
-  return jax.device_put(batch, batch_sharding(mesh))
+def process_rows(mesh: Mesh, global_batch: int) -> slice:
+  """The rows of a global batch of `global_batch` rows that this process's devices hold.
+
+  Read from `batch_sharding(mesh)`, so it is right for any mesh; for a mesh over `jax.devices()` in order
+  (devices are numbered process by process) process p of P holds rows [p * B / P, (p + 1) * B / P). One
+  process holds every row.
+  """
+  _check_divisible("the global batch", global_batch, mesh)
+  index = batch_sharding(mesh).addressable_devices_indices_map((global_batch,))
+  spans = sorted((i[0].start or 0, global_batch if i[0].stop is None else i[0].stop) for i in index.values())
+  if not spans:
+    raise ValueError(f"process {jax.process_index()} holds no device of the mesh {dict(mesh.shape)}")
+  # make_array_from_process_local_data also takes a process's rows in pieces, but a data loader wants one range.
+  for (_, stop), (start, _) in zip(spans, spans[1:]):
+    if start != stop:
+      raise ValueError(f"the mesh places process {jax.process_index()}'s devices at batch rows {spans}, not one "
+                       "contiguous range; build it over jax.devices() in order")
+  return slice(spans[0][0], spans[-1][1])
+
+
+def _check_divisible(what: str, size: int, mesh: Mesh) -> None:
+  if size % mesh.size:
+    raise ValueError(f"{what} has batch size {size}, not a multiple of the {mesh.size} devices "
+                     f"of the mesh {dict(mesh.shape)}")
+
+
+def shard_batch(batch, mesh: Mesh, global_batch: int | None = None):
+  """A batch of numpy arrays as global arrays whose batch axis is split over every device of the mesh.
+
+  Args:
+    batch: arrays [Bp, ...]: the whole batch (global_batch None or B), or this process's rows
+      `process_rows(mesh, global_batch)` of it.
+    mesh: the ("data", "fsdp") mesh.
+    global_batch: B; None: the rows of `batch`.
+
+  Returns:
+    The same dict of arrays [B, ...] sharded by `batch_sharding(mesh)`. One process: `jax.device_put` of
+    the whole batch. Several: each process hands over only its own rows (cut from the whole batch if it was
+    given one) and `jax.make_array_from_process_local_data` assembles the global arrays, so no process needs
+    another's data.
+  """
+  sizes = {name: np.shape(x)[0] for name, x in batch.items()}
+  if len(set(sizes.values())) != 1:
+    raise ValueError(f"the arrays of a batch differ in batch size: {sizes}")
+  name, rows = next(iter(sizes.items()))
+  B = rows if global_batch is None else global_batch
+  _check_divisible(f"batch[{name!r}]" if global_batch is None else "the global batch", B, mesh)
+  sharded = batch_sharding(mesh)
+  if jax.process_count() == 1:
+    if rows != B:
+      raise ValueError(f"one process must pass the whole batch of {B} rows, got {rows}")
+    return jax.device_put(batch, sharded)
+  mine = process_rows(mesh, B)
+  if rows == B:
+    batch = {name: x[mine] for name, x in batch.items()}
+  elif rows != mine.stop - mine.start:
+    raise ValueError(f"process {jax.process_index()} holds rows [{mine.start}, {mine.stop}) of the global batch "
+                     f"of {B}, got {rows} rows")
+  return {name: jax.make_array_from_process_local_data(sharded, np.asarray(x), (B,) + np.shape(x)[1:])
+          for name, x in batch.items()}

@@ -1,0 +1,29 @@
+"""experiments/bench_scaling.py runs on 4 forced CPU devices: a table row per device count, and the first loss of
+the sharded step (parameters split over every device) equals one device's on the same global batch."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_scaling_table_on_4_cpu_devices():
+  # Three device counts are three compilations of the step, most of the test's time: one attention layer, which
+  # compiles fastest (tests/test_sharding.py shards the recurrent layers).
+  args = ["--cpu-devices", "4", "--fsdp", "n", "--mixer", "attention", "--layers", "1", "--d-model", "32",
+          "--vocab", "64", "--seq-len", "16", "--per-device-batch", "2", "--warmup", "1", "--steps", "2"]
+  code = f"import sys; sys.path.insert(0, {ROOT!r}); from experiments.bench_scaling import main; main({args!r})"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+  lines = [line for line in r.stdout.splitlines() if line.startswith("|")]
+  header = [c.strip() for c in lines[0].strip("|").split("|")]
+  rows = [dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
+  assert [int(row["devices"]) for row in rows] == [1, 2, 4], r.stdout
+  assert [row["mesh (data x fsdp)"] for row in rows] == ["1x1", "1x2", "1x4"]
+  assert [int(row["global batch"]) for row in rows] == [2, 4, 8]
+  for row in rows:
+    assert float(row["loss rel diff"]) <= 1e-5, row
+    assert float(row["step ms"]) > 0 and float(row["tokens/s"].replace(",", "")) > 0
