@@ -4,10 +4,12 @@ Shapes: B batch, T time, H q/k heads, HV value heads, K key dim, V value dim, C 
 
 On CPU the kernels run in Pallas' interpreter (what `method="pallas"` does there by default), so the cases
 are few and small: each combines several features (odd K and V, HV > H, T not a multiple of C, an initial
-state, packed segments). The `gpu` test runs the compiled Triton kernels at a realistic shape.
+state, packed segments). The `gpu` test runs the compiled Triton kernels at a realistic shape. The
+batch-sharded test runs in a child process on 8 forced CPU devices (`devices.run_child`).
 """
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,8 @@ import pytest
 
 from gdn import ops
 from gdn.ops import checks, pallas_chunk
-from test_ops import DIFF_ARGS, assert_close, make_inputs, oracle, vjp_inputs
+from devices import run_child
+from test_ops import DIFF_ARGS, assert_close, make_inputs, oracle, rel, vjp_inputs
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,7 +96,12 @@ def test_kernels_lower_to_triton():
   diff = {n: jnp.asarray(x[n]) for n in DIFF_ARGS}
   co = (jnp.ones((1, 40, 2, 19)), jnp.ones((1, 2, 5, 19)))
   fn = _fwd_bwd(tuple(sorted(diff)), 8, 16, False)
-  hlo = fn.trace(diff, jnp.asarray(x["segment_ids"]), co).lower(lowering_platforms=("cuda",)).as_text()
+  try:
+    hlo = fn.trace(diff, jnp.asarray(x["segment_ids"]), co).lower(lowering_platforms=("cuda",)).as_text()
+  except RuntimeError as e:  # jax >= 0.11 lowers Triton kernels only with a GPU present (or an abstract one)
+    if "No supported GPU devices" not in str(e):
+      raise
+    pytest.skip(f"this jax cannot lower Triton kernels without a GPU: {e}")
   assert hlo.count("__gpu$xla.gpu.triton") == 2
 
 
@@ -108,3 +116,46 @@ def test_compiled_on_gpu(dtype, tol):
   x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
            for n, a in x.items()}
   assert_close(run_pallas(x, chunk_size=64, interpret=False), oracle(x_ref), tol, f"gpu pallas {dtype}")
+
+
+# (g, beta): the state pass with and without W, so both operand lists of the kernel ops are partitioned.
+SHARDED_CASES = [("head", "head"), ("channel", "none")]
+
+
+def _sharded_child():
+  """Prints, per case, the relative errors of the batch-sharded jitted forward + VJP against the same function
+  on one device, and the number of all-gathers in its compiled module."""
+  from gdn.train.sharding import batch_sharding, make_mesh
+
+  mesh = make_mesh(data=4, fsdp=2)  # the batch split over both axes, as in data-parallel / FSDP training
+  rows = batch_sharding(mesh)
+  out = []
+  for g_kind, beta_kind in SHARDED_CASES:
+    x = make_inputs(27, 8, 20, 1, 2, 5, 6, g_kind, beta_kind, segments=True)
+    diff, seg, co = vjp_inputs(x)
+    fn = _fwd_bwd(tuple(sorted(diff)), 8, None, None)  # the public method="pallas"
+    o_ref, S_ref, g_ref = fn(diff, seg, co)  # uncommitted inputs: one device
+    args = jax.device_put((diff, seg, co), rows)
+    hlo = fn.lower(*args).compile().as_text()
+    o, S, grads = fn(*args)
+    errs = {"o": rel(np.asarray(o), np.asarray(o_ref)), "final_state": rel(np.asarray(S), np.asarray(S_ref))}
+    errs.update({f"d{n}": rel(np.asarray(grads[n]), np.asarray(g_ref[n])) for n in grads})
+    out.append({"case": f"g={g_kind} beta={beta_kind}", "errors": errs, "all_gathers": hlo.count("all-gather"),
+                "o_stays_sharded": o.sharding.is_equivalent_to(rows, o.ndim)})
+  print(json.dumps(out))
+
+
+def test_batch_sharded_runs_per_device():
+  """With the batch split over an 8-device ("data", "fsdp") mesh, outputs, final state and all gradients equal
+  one device's, and the compiled module gathers nothing: each device runs the kernels on its own rows."""
+  results = run_child(__file__)
+  assert len(results) == len(SHARDED_CASES)
+  for r in results:
+    bad = {n: e for n, e in r["errors"].items() if not e <= 1e-5}
+    assert not bad, f"{r['case']}: relative error above 1e-5: {bad}"
+    assert r["all_gathers"] == 0, f"{r['case']}: {r['all_gathers']} all-gathers in the compiled module"
+    assert r["o_stays_sharded"], r["case"]
+
+
+if __name__ == "__main__":
+  _sharded_child()

@@ -13,6 +13,10 @@ loops over the chunks in order (value channels never mix in the recurrence, so V
 programs). The backward kernel runs the chunks in reverse with the cotangent dS held the same way. Both sit
 behind `jax.custom_vjp` on the state pass alone, so JAX differentiates the XLA parts around it as usual.
 
+Under a multi-device `jax.jit` each kernel call is a `custom_partitioning` op whose sharding rule keeps the
+sharding of the batch and value-head axes and replicates the rest, so every device runs the same kernel on its
+own rows (XLA cannot split a kernel call itself and would gather the whole batch onto every device).
+
 The kernels use the Pallas Triton lowering on GPU (ref indexing, `lax.fori_loop`, `lax.dot_general`: nothing
 backend-specific in the kernel bodies) and Pallas' interpreter everywhere else; docs/ops.md says why.
 """
@@ -26,7 +30,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as pl_triton
+from jax.sharding import NamedSharding, PartitionSpec
 
 from gdn.ops import checks, intra_chunk
 from gdn.ops.chunk import finish, initial, prepare
@@ -117,9 +123,10 @@ def _specs(L, N, Cp, Kp, BV):
   return per_v, per_k, decay, state, part_k, part_decay
 
 
-def _forward(cfg: Config, U0, W, k_end, decay, S0):
-  L, N, Cp, Vp = U0.shape
-  Kp, BV = k_end.shape[-1], cfg.block_v
+def _forward_call(cfg: Config, U0, W, k_end, decay, S0):
+  """The forward kernel on operands [B, HV, ...]: (S_in, U, S_T) [B, HV, ...], or (S_in, S_T) without W."""
+  B, HV, N, Cp, Vp = U0.shape
+  L, Kp, BV = B * HV, k_end.shape[-1], cfg.block_v
   per_v, per_k, dec, state, _, _ = _specs(L, N, Cp, Kp, BV)
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
   ins = [U0] + ([W] if cfg.delta else []) + [k_end, decay, S0]
@@ -129,17 +136,16 @@ def _forward(cfg: Config, U0, W, k_end, decay, S0):
   # Two stages let Triton prefetch chunk n + 1's W, k_end and U0 while chunk n computes: about 200 KB of
   # shared memory at K = 128, C = BV = 64 (Triton 3.9, sm_90), under the H200's 227 KB; one stage beyond.
   stages = 2 if Cp * Kp <= 64 * 128 and BV <= 64 else 1
-  res = _call(functools.partial(_forward_kernel, cfg=cfg, N=N), cfg, (L, Vp // BV), ins, in_specs, outs,
-              out_specs, "gdn_chunk_states_fwd", 4, stages)
-  if cfg.delta:
-    return tuple(res)
-  S_in, S_T = res
-  return S_in, U0, S_T
+  res = _call(functools.partial(_forward_kernel, cfg=cfg, N=N), cfg, (L, Vp // BV), [_rows(x) for x in ins],
+              in_specs, outs, out_specs, "gdn_chunk_states_fwd", 4, stages)
+  return tuple(_unrows(r, B) for r in res)
 
 
-def _backward(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T):
-  L, N, Cp, Vp = U.shape
-  Kp, BV = k_end.shape[-1], cfg.block_v
+def _backward_call(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T):
+  """The backward kernel on operands [B, HV, ...]: (dU0, dW, dk_end, ddecay, dS0) [B, HV, ...], without dW
+  when there is no W."""
+  B, HV, N, Cp, Vp = U.shape
+  L, Kp, BV = B * HV, k_end.shape[-1], cfg.block_v
   NV = Vp // BV
   per_v, per_k, dec, state, part_k, part_decay = _specs(L, N, Cp, Kp, BV)
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
@@ -150,21 +156,96 @@ def _backward(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T):
   out_specs = [per_v(Cp)] + ([part_k] if cfg.delta else []) + [part_k, part_decay, state]
   # One stage: two would take about 256 KB of shared memory at K = 128, C = BV = 64, over the H200's 227 KB.
   # Eight warps: the state and its cotangent both live in registers; at four the compiled kernel spilled.
-  res = _call(functools.partial(_backward_kernel, cfg=cfg, N=N), cfg, (L, NV), ins, in_specs, outs, out_specs,
-              "gdn_chunk_states_bwd", 8, 1)
+  res = _call(functools.partial(_backward_kernel, cfg=cfg, N=N), cfg, (L, NV), [_rows(x) for x in ins],
+              in_specs, outs, out_specs, "gdn_chunk_states_bwd", 8, 1)
+  # The K-side cotangents come per value block; their sum stays inside, so it runs on each device's rows too.
+  dU0, *parts, dS0 = res
+  return tuple(_unrows(r, B) for r in [dU0] + [p.sum(1) for p in parts] + [dS0])
+
+
+def _rows(x):
+  """[B, HV, ...] -> [L, ...], the kernels' grid axis (a free reshape)."""
+  return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+def _unrows(x, B: int):
+  """[L, ...] -> [B, HV, ...]."""
+  return x.reshape((B, x.shape[0] // B) + x.shape[1:])
+
+
+def _row_shardings(arg_shapes, result_shape):
+  """Every operand and result sharded as the first operand's leading (B, HV) axes, all other axes whole."""
+  first = jax.tree.leaves(arg_shapes)[0].sharding
+  if not isinstance(first, NamedSharding):  # JAX names the axes only where it knows the mesh
+    raise NotImplementedError(f"the Pallas state pass partitions over a named mesh: shard its inputs with "
+                              f"NamedSharding (got {first})")
+  lead = (tuple(first.spec) + (None, None))[:2]
+  rows = lambda a: NamedSharding(first.mesh, PartitionSpec(*lead, *([None] * (len(a.shape) - 2))))
+  return jax.tree.map(rows, arg_shapes), jax.tree.map(rows, result_shape)
+
+
+def _per_rows(fn, rule: str):
+  """`fn(cfg, *arrays)` as a `custom_partitioning` op that runs on each device's block of rows.
+
+  Each row (b, h) of the batch and value heads is an independent recurrence, so a sharding of those two axes
+  is kept and the per-device function is `fn` itself on the local block; the chunk, in-chunk position, key and
+  value axes (factors n, c, k, v of `rule`) must be whole on every device. `rule` is the Shardy form; the two callbacks
+  serve the GSPMD partitioner.
+  """
+  op = custom_partitioning(fn, static_argnums=(0,))
+
+  def partition(cfg, mesh, arg_shapes, result_shape):
+    arg_shardings, result_shardings = _row_shardings(arg_shapes, result_shape)
+    return mesh, functools.partial(fn, cfg), result_shardings, arg_shardings
+
+  def infer_sharding_from_operands(cfg, mesh, arg_shapes, result_shape):
+    return _row_shardings(arg_shapes, result_shape)[1]
+
+  # Shardy wants the special factors in the order the rule first names them.
+  whole = tuple(dict.fromkeys(f for f in rule.replace(",", " ").split() if f not in ("b", "h", "->")))
+  op.def_partition(partition=partition, infer_sharding_from_operands=infer_sharding_from_operands,
+                   sharding_rule=rule, need_replication_factors=whole)
+  return op
+
+
+def _rule(ins: str, outs: str) -> str:
+  """An einsum-like sharding rule from the trailing axes of each array; every array leads with b h."""
+  lead = lambda axes: ", ".join("b h " + a for a in axes.split(","))
+  return f"{lead(ins)} -> {lead(outs)}"
+
+
+# One op per operand list: without the delta rule there is no W (nor U among the forward results, nor dW).
+_FORWARD = {
+    True: _per_rows(_forward_call, _rule("n c v,n c k,n c k,n k,k v", "n k v,n c v,k v")),
+    False: _per_rows(_forward_call, _rule("n c v,n c k,n k,k v", "n k v,k v")),
+}
+_BACKWARD = {
+    True: _per_rows(_backward_call, _rule("n c k,n c k,n k,n k v,n c v,n k v,n c v,k v",
+                                          "n c v,n c k,n c k,n k,k v")),
+    False: _per_rows(_backward_call, _rule("n c k,n k,n k v,n c v,n k v,n c v,k v", "n c v,n c k,n k,k v")),
+}
+
+
+def _forward(cfg: Config, U0, W, k_end, decay, S0):
+  res = _FORWARD[cfg.delta](cfg, U0, W, k_end, decay, S0)
   if cfg.delta:
-    dU0, dW, dk_end, ddecay, dS0 = res
-    dW = dW.sum(1)
-  else:
-    dU0, dk_end, ddecay, dS0 = res
-    dW = None
-  return dU0, dW, dk_end.sum(1), ddecay.sum(1), dS0
+    return res
+  S_in, S_T = res
+  return S_in, U0, S_T
+
+
+def _backward(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T):
+  res = _BACKWARD[cfg.delta](cfg, W, k_end, decay, S_in, U, dS_in, dU, dS_T)
+  if cfg.delta:
+    return res
+  dU0, dk_end, ddecay, dS0 = res
+  return dU0, None, dk_end, ddecay, dS0
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _state_pass(cfg: Config, U0, W, k_end, decay, S0):
-  """(S_in [L, N, Kp, Vp], U [L, N, Cp, Vp], S_T [L, Kp, Vp]) from padded float32 operands; W is None
-  without the delta rule."""
+  """(S_in [B, HV, N, Kp, Vp], U [B, HV, N, Cp, Vp], S_T [B, HV, Kp, Vp]) from padded float32 operands; W is
+  None without the delta rule."""
   return _forward(cfg, U0, W, k_end, decay, S0)
 
 
@@ -211,18 +292,18 @@ def state_pass(loc: intra_chunk.Local, S0, prec, *, block_v: int = BLOCK_V, inte
   delta = loc.A is not None
   if delta and loc.W is None:
     raise ValueError("the Pallas state pass needs loc.W (per-head beta); per-value-channel beta has none")
-  B, HV, N, C, V = loc.U.shape
+  C, V = loc.U.shape[-2:]
   K = loc.k_end.shape[-1]
-  L = B * HV
   Cp, Kp = _pow2(C), _pow2(K)
   BV = min(_pow2(block_v), _pow2(V))
   Vp = -(-V // BV) * BV
   cdt = jnp.float32
 
   def pad(x, *target):
-    """[B, HV, N, ...] -> [L, N, ...] in float32, zero-padded at the end of the trailing axes: zero rows of
-    U0, W and k_end and zero rows/columns of S0 leave the valid part of the recurrence untouched."""
-    x = x.astype(cdt).reshape((L,) + x.shape[2:])
+    """x in float32, zero-padded at the end of the trailing axes: zero rows of U0, W and k_end and zero
+    rows/columns of S0 leave the valid part of the recurrence untouched. B and HV stay separate axes, so a
+    batch-sharded caller's sharding reaches the kernel ops unchanged."""
+    x = x.astype(cdt)
     return jnp.pad(x, [(0, 0)] * (x.ndim - len(target)) + [(0, t - s) for s, t in zip(x.shape[-len(target):],
                                                                                         target)])
 
@@ -231,10 +312,7 @@ def state_pass(loc: intra_chunk.Local, S0, prec, *, block_v: int = BLOCK_V, inte
   cfg = Config(prec=kernel_precision(prec, interpret), block_v=BV, interpret=interpret, delta=delta)
   S_in, U, S_T = _state_pass(cfg, pad(loc.U, Cp, Vp), pad(loc.W, Cp, Kp) if delta else None,
                              pad(loc.k_end, Cp, Kp), pad(decay, Kp), pad(S0, Kp, Vp))
-  S_in = S_in[:, :, :K, :V].reshape(B, HV, N, K, V)
-  U = U[:, :, :C, :V].reshape(B, HV, N, C, V)
-  S_T = S_T[:, :K, :V].reshape(B, HV, K, V)
-  return S_T, S_in, U
+  return S_T[..., :K, :V], S_in[..., :K, :V], U[..., :C, :V]
 
 
 def pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.Dims, chunk_size: int,
