@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
+import jax
+
 from gdn.train import ConfigError, train
 from gdn.train.checkpoint import ConfigMismatch
 from gdn.train.config_file import resolve, split_argv
@@ -35,6 +37,8 @@ def main(argv=None) -> int:
   except (ConfigError, ConfigMismatch) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  if jax.process_index() != 0:  # several hosts: one report
+    return 0
   workdir = summary["workdir"]
   ev = summary["eval"]
   print(f"\n{cfg.name}: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(ev.items()) if "/" not in k))
