@@ -44,7 +44,10 @@ class RecurrentConfig:
   allow_neg_eigval: bool = False
   short_conv: bool = True
   conv_size: int = 4
+  conv_bias: bool = False  # a per-channel bias in the short conv (fla's conv_bias=True); needs short_conv
+  silu_without_conv: bool = False  # SiLU on q, k, v when short_conv is off, as fla's layers do without their conv
   output_gate: str = "silu"
+  output_gate_rank: Optional[int] = None  # None: full-rank W_g; R: W_g2 (W_g1 x) + b_g through rank R (fla's KDA)
   output_norm: bool = True
   qk_norm: str = "l2"
   qkv_bias: bool = False
@@ -71,6 +74,16 @@ class RecurrentConfig:
     _choice("dt_init", self.dt_init, ("fla", "seed"))
     _choice("method", self.method, ("auto", "recurrent", "chunk", "associative", "pallas"))
     _positive("decay_low_rank", self.decay_low_rank)
+    if self.output_gate_rank is not None:
+      _positive("output_gate_rank", self.output_gate_rank)
+      if self.output_gate == "none":
+        raise ValueError(f"output_gate_rank needs an output gate, got output_gate_rank={self.output_gate_rank} "
+                         f"with output_gate='none'")
+    if self.conv_bias and not self.short_conv:
+      raise ValueError("conv_bias needs the short conv, got conv_bias=True with short_conv=False")
+    if self.silu_without_conv and self.short_conv:
+      raise ValueError("silu_without_conv is for short_conv=False (SiLU always follows the conv), got "
+                       "silu_without_conv=True with short_conv=True")
     if self.v_head_dim is not None:
       _positive("v_head_dim", self.v_head_dim)
     if self.allow_neg_eigval and self.beta == "none":
@@ -100,6 +113,7 @@ class AttentionConfig:
   window: int = 0  # sliding window size for "W" layers
   output_gate: str = "none"  # "none" | "sigmoid"
   qk_norm: bool = False  # RMSNorm on q and k per head
+  proj_bias: bool = False  # biases on the q, k, v and o projections (Qwen3-Next's attention_bias=True)
   implementation: str = "auto"  # jax.nn.dot_product_attention backend: "auto" (cuDNN for 16-bit on GPU), "xla", "cudnn"
 
   def __post_init__(self):

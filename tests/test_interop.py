@@ -108,40 +108,24 @@ def test_seed_class_into_an_existing_module_and_from_safetensors(torch, tmp_path
 
 
 @pytest.fixture
-def fla_layer_on_cpu(torch, monkeypatch):
-  """fla's GatedDeltaNet class with its Triton kernels replaced by fla's own pure-torch references.
+def fla_on_cpu(torch, monkeypatch):
+  """fla's norms and short convolution on CPU: the pieces its GatedDeltaNet and KimiDeltaAttention layers share.
 
-  fla's kernels are Triton, which has no CPU backend; the layer's own code (projections, the order of the pieces,
-  the keyword flags it passes) still runs. The delta rule goes through fla's `naive_recurrent_gated_delta_rule`
-  and `naive_gdn_gate`, the gated norm through fla's `rms_norm_ref`; the in-kernel steps the flags ask for are
-  done as the kernel documents them (q/k L2 norm with eps 1e-6, beta = sigmoid(b) x2 with allow_neg_eigval, value
-  head i reading q/k head i // (HV // H)), the causal conv as torch's conv1d with W-1 zeros of left padding.
+  fla's kernels are Triton, which has no CPU backend; the layers' own code (projections, the order of the pieces,
+  the keyword flags they pass) still runs. The gated norm goes through fla's `rms_norm_ref`, the causal conv (its
+  bias and SiLU included) through torch's conv1d with W-1 zeros of left padding. Returns the conv, for the
+  layer-level names that import it.
   """
   pytest.importorskip("fla", exc_type=ImportError)  # fla imports Triton at import time
   import torch.nn.functional as F
-  from fla.layers import gated_deltanet as layer_module
   from fla.modules import FusedRMSNormGated, RMSNorm
+  from fla.modules.causal_conv1d import ops as conv_ops
   from fla.modules.norm.layernorm import rms_norm_ref
   from fla.modules.norm.layernorm_gated import rms_norm_ref as gated_rms_norm_ref
-  from fla.ops.gated_delta_rule.gate import naive_gdn_gate
-  from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 
-  def delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                 use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                 use_gate_in_kernel=False, A_log=None, dt_bias=None, cu_seqlens=None, **unused):
-    assert cu_seqlens is None and initial_state is None
-    if use_qk_l2norm_in_kernel:
-      q, k = (x / torch.sqrt((x.float() ** 2).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
-    if use_beta_sigmoid_in_kernel:
-      beta = beta.float().sigmoid() * (2.0 if allow_neg_eigval else 1.0)
-    if use_gate_in_kernel:
-      g = naive_gdn_gate(g, A_log, dt_bias)
-    G = v.shape[2] // q.shape[2]
-    q, k = q.repeat_interleave(G, dim=2), k.repeat_interleave(G, dim=2)
-    return naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale=scale, output_final_state=output_final_state)
-
-  def conv(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False, **unused):
-    assert initial_state is None and not output_final_state
+  def conv(x, weight, bias=None, residual=None, activation=None, initial_state=None, output_final_state=False,
+           **unused):
+    assert residual is None and initial_state is None and not output_final_state
     W = weight.shape[-1]
     y = F.conv1d(F.pad(x.transpose(1, 2), (W - 1, 0)), weight[:, None], bias, groups=weight.shape[0])
     y = y.transpose(1, 2)
@@ -157,11 +141,48 @@ def fla_layer_on_cpu(torch, monkeypatch):
     assert residual is None and not prenorm
     return rms_norm_ref(x, self.weight, self.bias, eps=self.eps, upcast=True)
 
-  monkeypatch.setattr(layer_module, "chunk_gated_delta_rule", delta_rule)
-  monkeypatch.setattr(layer_module, "fused_recurrent_gated_delta_rule", delta_rule)
-  monkeypatch.setattr(layer_module, "causal_conv1d", conv)
+  monkeypatch.setattr(conv_ops, "causal_conv1d", conv)  # ShortConvolution.forward's call over a whole sequence
   monkeypatch.setattr(FusedRMSNormGated, "forward", gated_norm)
   monkeypatch.setattr(RMSNorm, "forward", norm)
+  return conv
+
+
+def in_kernel_steps(torch, q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval):
+  """The steps fla's delta-rule kernels take on request, as they document them: q/k L2 norm (eps 1e-6) and
+  beta = sigmoid(b) (x2 with allow_neg_eigval)."""
+  if use_qk_l2norm_in_kernel:
+    q, k = (x / torch.sqrt((x.float() ** 2).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+  if use_beta_sigmoid_in_kernel:
+    beta = beta.float().sigmoid() * (2.0 if allow_neg_eigval else 1.0)
+  return q, k, beta
+
+
+@pytest.fixture
+def fla_layer_on_cpu(torch, monkeypatch, fla_on_cpu):
+  """fla's GatedDeltaNet class with its Triton kernels replaced by fla's own pure-torch references.
+
+  The delta rule goes through fla's `naive_recurrent_gated_delta_rule` and `naive_gdn_gate`, after the steps of
+  `in_kernel_steps`, value head i reading q/k head i // (HV // H); norms and conv as `fla_on_cpu`.
+  """
+  from fla.layers import gated_deltanet as layer_module
+  from fla.ops.gated_delta_rule.gate import naive_gdn_gate
+  from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+
+  def delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                 use_gate_in_kernel=False, A_log=None, dt_bias=None, cu_seqlens=None, **unused):
+    assert cu_seqlens is None and initial_state is None
+    q, k, beta = in_kernel_steps(torch, q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                                 allow_neg_eigval)
+    if use_gate_in_kernel:
+      g = naive_gdn_gate(g, A_log, dt_bias)
+    G = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(G, dim=2), k.repeat_interleave(G, dim=2)
+    return naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale=scale, output_final_state=output_final_state)
+
+  monkeypatch.setattr(layer_module, "chunk_gated_delta_rule", delta_rule)
+  monkeypatch.setattr(layer_module, "fused_recurrent_gated_delta_rule", delta_rule)
+  monkeypatch.setattr(layer_module, "causal_conv1d", fla_on_cpu)  # the layer's fused [q | k | v] conv
   return layer_module.GatedDeltaNet
 
 
@@ -171,10 +192,13 @@ FLA_CASES = {
     "neg_eigval_sigmoid_gate": dict(num_heads=4, head_dim=8, expand_v=1.0, allow_neg_eigval=True,
                                     output_gate_activation="sigmoid", norm_eps=1e-6, conv_size=3),
     "no_gate": dict(num_heads=2, head_dim=16, expand_v=1.0, use_gate=False),
+    "conv_bias": dict(num_heads=2, num_v_heads=4, head_dim=8, expand_v=2.0, conv_bias=True),
+    "no_short_conv": dict(num_heads=2, head_dim=16, expand_v=1.0, use_short_conv=False),
 }
 
 
 @pytest.mark.interop
+@pytest.mark.filterwarnings("ignore:ShortConvolution is crucial")  # fla's warning for use_short_conv=False
 @pytest.mark.parametrize("case", sorted(FLA_CASES))
 def test_fla_gated_deltanet(torch, fla_layer_on_cpu, case):
   kw = FLA_CASES[case]
@@ -186,6 +210,7 @@ def test_fla_gated_deltanet(torch, fla_layer_on_cpu, case):
   config = {k: kw[k] for k in ("allow_neg_eigval", "output_gate_activation", "norm_eps") if k in kw}
   ours = fla_interop.load_mixer(theirs.state_dict(), num_heads=kw["num_heads"], **config)
   assert (ours.cfg.HV, ours.cfg.V) == (theirs.num_v_heads, theirs.head_v_dim)
+  assert (ours.cfg.short_conv, ours.cfg.conv_bias) == (theirs.use_short_conv, kw.get("conv_bias", False))
   assert rel_err(run(ours, x), y) <= TOL
 
 
@@ -201,6 +226,75 @@ def test_fla_model_config_and_prefix(torch, fla_layer_on_cpu):
   with torch.no_grad():
     y, _, _ = theirs(x)
   assert rel_err(run(ours, x), y) <= TOL
+
+
+# fla's KimiDeltaAttention layer.
+
+
+@pytest.fixture
+def fla_kda_on_cpu(torch, monkeypatch, fla_on_cpu):
+  """fla's KimiDeltaAttention class with its Triton kernels replaced by fla's own pure-torch references: the delta
+  rule through `naive_recurrent_kda` (grouped value heads included) and its gate through `naive_kda_gate`, after
+  the steps of `in_kernel_steps`; norms and conv as `fla_on_cpu`."""
+  from fla.layers import kda as layer_module
+  from fla.ops.kda.gate import naive_kda_gate
+  from fla.ops.kda.naive import naive_recurrent_kda
+
+  def kda_rule(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+               allow_neg_eigval=False, lower_bound=None, cu_seqlens=None, **unused):
+    assert cu_seqlens is None and initial_state is None and lower_bound is None
+    q, k, beta = in_kernel_steps(torch, q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                                 allow_neg_eigval)
+    if use_gate_in_kernel:
+      g = naive_kda_gate(g, A_log, dt_bias)
+    return naive_recurrent_kda(q, k, v, g, beta, scale=scale, output_final_state=output_final_state)
+
+  monkeypatch.setattr(layer_module, "chunk_kda", kda_rule)
+  monkeypatch.setattr(layer_module, "fused_recurrent_kda", kda_rule)
+  return layer_module.KimiDeltaAttention
+
+
+KDA_CASES = {
+    "kda": dict(num_heads=2, head_dim=16, expand_v=1.0),
+    "grouped_values_conv_bias_neg_eigval": dict(num_heads=2, num_v_heads=4, head_dim=8, expand_v=1.5,
+                                                conv_bias=True, allow_neg_eigval=True, conv_size=3, norm_eps=1e-6),
+    "no_short_conv": dict(num_heads=4, head_dim=8, expand_v=2.0, use_short_conv=False),
+}
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("case", sorted(KDA_CASES))
+def test_fla_kimi_delta_attention(torch, fla_kda_on_cpu, case):
+  kw = KDA_CASES[case]
+  torch.manual_seed(1)
+  theirs = randomize(torch, fla_kda_on_cpu(hidden_size=64, **kw))
+  x = torch.randn(2, 45, 64)
+  with torch.no_grad():
+    y, _, _ = theirs(x)
+  config = {k: kw[k] for k in ("allow_neg_eigval", "norm_eps") if k in kw}
+  ours = fla_interop.load_kda(theirs.state_dict(), **config)
+  assert (ours.cfg.num_heads, ours.cfg.HV, ours.cfg.head_dim, ours.cfg.V) == (
+      theirs.num_heads, theirs.num_v_heads, theirs.head_k_dim, theirs.head_v_dim)
+  assert ours.cfg.decay_low_rank == ours.cfg.output_gate_rank == theirs.head_v_dim
+  assert rel_err(run(ours, x), y) <= TOL
+
+
+@pytest.mark.interop
+def test_fla_kda_from_model_config_and_prefix(torch, fla_kda_on_cpu):
+  torch.manual_seed(4)
+  theirs = randomize(torch, fla_kda_on_cpu(hidden_size=32, num_heads=2, head_dim=8, norm_eps=1e-6,
+                                           allow_neg_eigval=True))
+  fla_config = {"num_heads": 2, "head_dim": 8, "norm_eps": 1e-6, "allow_neg_eigval": True, "lower_bound": None}
+  sd = {f"model.layers.2.attn.{k}": v for k, v in theirs.state_dict().items()}
+  ours = fla_interop.load_kda(sd, prefix="model.layers.2.attn.", fla_config=fla_config, method="chunk",
+                              chunk_size=16)
+  x = torch.randn(1, 37, 32)
+  with torch.no_grad():
+    y, _, _ = theirs(x)
+  assert rel_err(run(ours, x), y) <= TOL
+  with pytest.raises(ValueError, match="lower_bound"):
+    fla_interop.load_kda(sd, prefix="model.layers.2.attn.", fla_config={**fla_config, "lower_bound": -5.0})
 
 
 # Hugging Face transformers' Qwen3-Next.
@@ -256,7 +350,7 @@ def hf_attention(torch, modeling, theirs, hf_config, x):
 
 @pytest.mark.interop
 @pytest.mark.parametrize("kw", [dict(), dict(num_key_value_heads=4, partial_rotary_factor=1.0, rope_theta=1e6),
-                                dict(num_key_value_heads=1, head_dim=8)])
+                                dict(num_key_value_heads=1, head_dim=8), dict(attention_bias=True)])
 def test_qwen3_next_gated_attention(torch, hf_qwen3_next, kw):
   hf_config = qwen3_next_config(**kw)
   torch.manual_seed(len(kw))
@@ -265,6 +359,7 @@ def test_qwen3_next_gated_attention(torch, hf_qwen3_next, kw):
   y = hf_attention(torch, hf_qwen3_next, theirs, hf_config, x)
   ours = qwen_interop.load_attention(theirs.state_dict(), hf_config)
   assert ours.cfg.output_gate == "sigmoid" and ours.cfg.qk_norm
+  assert ours.cfg.proj_bias == kw.get("attention_bias", False) == (ours.o_proj.bias is not None)
   assert ours.rot_dim == int(ours.cfg.head_dim * kw.get("partial_rotary_factor", 0.25))
   assert rel_err(run(ours, x), y) <= TOL
 
@@ -358,7 +453,7 @@ def test_module_from_another_config_is_refused():
   seed.load_mixer(seed_state_dict(), module=same_but_chunked)  # free fields may differ
 
 
-def test_fla_needs_heads_and_refuses_what_it_cannot_represent():
+def test_fla_needs_heads_and_maps_the_short_conv():
   rng = np.random.default_rng(0)
   D, H, K, HV, V, W = 16, 2, 4, 2, 8, 4
   sd = {"q_proj.weight": rng.normal(size=(H * K, D)), "k_proj.weight": rng.normal(size=(H * K, D)),
@@ -373,11 +468,16 @@ def test_fla_needs_heads_and_refuses_what_it_cannot_represent():
   assert (ours.cfg.num_heads, ours.cfg.norm_eps, ours.cfg.conv_size) == (H, 1e-5, W)
   # Our conv weight [W, C] over [q | k | v] is fla's three [C, 1, W] weights.
   np.testing.assert_allclose(ours.conv.weight[...][:, H * K:2 * H * K], sd["k_conv1d.weight"][:, 0].T, rtol=1e-6)
-  with pytest.raises(ValueError, match="q_conv1d.bias"):
-    fla_interop.load_mixer({**sd, "q_conv1d.bias": np.zeros(H * K)}, head_dim=K)
-  no_conv = {k: v for k, v in sd.items() if "conv1d" not in k}
-  with pytest.raises(ValueError, match="use_short_conv=False"):
-    fla_interop.load_mixer(no_conv, head_dim=K)
+  # conv_bias=True: the three biases, concatenated as the channels; all three or none.
+  biases = {f"{n}_conv1d.bias": rng.normal(size=c) for n, c in (("q", H * K), ("k", H * K), ("v", HV * V))}
+  ours = fla_interop.load_mixer({**sd, **biases}, head_dim=K)
+  assert ours.cfg.conv_bias
+  np.testing.assert_allclose(ours.conv.bias[...][2 * H * K:], biases["v_conv1d.bias"], rtol=1e-6)
+  with pytest.raises(KeyError, match="k_conv1d.bias"):
+    fla_interop.load_mixer({**sd, "q_conv1d.bias": biases["q_conv1d.bias"]}, head_dim=K)
+  # use_short_conv=False: no conv, SiLU on the projections.
+  ours = fla_interop.load_mixer({k: v for k, v in sd.items() if "conv1d" not in k}, head_dim=K)
+  assert ours.conv is None and ours.cfg.silu_without_conv
 
 
 def test_qwen3_next_qkvz_is_regrouped_by_head():

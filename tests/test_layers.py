@@ -38,6 +38,10 @@ SWITCHES = {
         output_norm=False, dt_init="seed", **SMALL),
     "no_gate_no_norm_no_conv_recurrent": RecurrentConfig(output_gate="none", output_norm=False, short_conv=False,
                                                          method="recurrent", **SMALL),
+    # fla's forms: KDA's low-rank output gate with a conv bias; SiLU on q, k, v without the conv.
+    "kda_low_rank_gate_conv_bias": recurrent_preset("kda", decay_low_rank=4, output_gate_rank=6, conv_bias=True,
+                                                    **SMALL),
+    "silu_without_conv": RecurrentConfig(short_conv=False, silu_without_conv=True, **SMALL),
 }
 
 
@@ -67,6 +71,15 @@ def test_switches_create_the_expected_parameters():
   assert A.min() >= 1 and A.max() <= 16 and dt.min() >= 1e-3 * 0.999 and dt.max() <= 0.1 * 1.001
   la = RecurrentMixer(recurrent_preset("linear_attention", **SMALL), D, rngs=nnx.Rngs(0))
   assert la.A_log is None and la.b_proj is None and la.g_proj is None
+  assert gdn.conv.bias is None and gdn.g_a_proj is None and gdn.g_b_proj is None
+  low = RecurrentMixer(recurrent_preset("kda", output_gate_rank=6, conv_bias=True, **SMALL), D, rngs=nnx.Rngs(0))
+  assert low.g_proj is None and low.g_a_proj.kernel.shape == (D, 6) and low.g_a_proj.bias is None
+  assert low.g_b_proj.kernel.shape == (6, 16) and low.g_b_proj.bias.shape == (16,)
+  assert low.conv.bias.shape == (2 * 16 + 16,)
+  att = Attention(AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8, output_gate="sigmoid", proj_bias=True), D,
+                  rngs=nnx.Rngs(0))
+  assert att.q_proj.bias.shape == (64,) and att.k_proj.bias.shape == (16,) and att.o_proj.bias.shape == (D,)
+  assert Attention(AttentionConfig(num_heads=2, head_dim=8), D, rngs=nnx.Rngs(0)).o_proj.bias is None
 
 
 def _seed_forward(x, p, H, K):
@@ -182,6 +195,56 @@ def test_short_conv_matches_numpy_and_carries_state():
     conv(x, state=jnp.zeros((2, 2, 6)))
 
 
+def test_short_conv_bias_is_added_once_per_step():
+  """The bias joins the output, never the carried inputs: pieces and single steps equal one full pass."""
+  conv = ShortConv(6, 4, bias=True, init_std=1.0, rngs=nnx.Rngs(0))
+  conv.bias[...] = jax.random.normal(jax.random.key(2), (6,))
+  x = jax.random.normal(jax.random.key(1), (2, 9, 6))
+  y, state = conv(x)
+  w, b, xn = np.asarray(conv.weight[...]), np.asarray(conv.bias[...]), np.asarray(x)
+  xp = np.concatenate([np.zeros((2, 3, 6)), xn], 1)
+  np.testing.assert_allclose(y, sum(w[j] * xp[:, j:j + 9] for j in range(4)) + b, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(state, xn[:, -3:])
+  y1, s = conv(x[:, :5])
+  steps = [y1]
+  for t in range(5, 9):
+    yt, s = conv(x[:, t:t + 1], state=s)
+    steps.append(yt)
+  np.testing.assert_allclose(jnp.concatenate(steps, 1), y, rtol=1e-6, atol=1e-6)
+
+
+def _randomize_biases(layer, seed=0):
+  """Move every bias off its zero init, so that a bias skipped on one path shows."""
+  key = jax.random.key(seed)
+  for path, var in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
+    if path[-1] == "bias":
+      key, sub = jax.random.split(key)
+      var.set_value(jax.random.normal(sub, var.get_value().shape, jnp.float32))
+
+
+@pytest.mark.parametrize("name", ["conv_bias_low_rank_gate", "silu_without_conv", "attention_proj_bias"])
+def test_new_switches_prefill_then_decode_equals_full_forward(name):
+  """Prefill 7 tokens, then decode 4 one at a time: equals one pass over all 11 (the biases are applied once
+  per token on every path)."""
+  if name == "attention_proj_bias":
+    layer = Attention(AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8, output_gate="sigmoid", qk_norm=True,
+                                      proj_bias=True), D, rngs=nnx.Rngs(0))
+  else:
+    cfg = (recurrent_preset("kda", decay_low_rank=4, output_gate_rank=6, conv_bias=True, **SMALL)
+           if name == "conv_bias_low_rank_gate" else RecurrentConfig(short_conv=False, silu_without_conv=True, **SMALL))
+    layer = RecurrentMixer(cfg, D, rngs=nnx.Rngs(0))
+  _randomize_biases(layer)
+  x = _x(T=11)
+  full = _apply(layer, x)
+  step = nnx.jit(lambda l, x, c: l(x, cache=c))
+  y, cache = step(layer, x[:, :7], layer.init_cache(2, 11))
+  got = [y]
+  for t in range(7, 11):
+    y, cache = step(layer, x[:, t:t + 1], cache)
+    got.append(y)
+  np.testing.assert_allclose(jnp.concatenate(got, 1), full, rtol=1e-5, atol=1e-5 * float(jnp.abs(full).max()))
+
+
 def test_norms_and_mlp():
   x = jax.random.normal(jax.random.key(0), (3, 8)) * 5
   y = RMSNorm(8)(x)
@@ -205,6 +268,14 @@ def test_bad_input_raises_clear_errors():
     Attention(AttentionConfig(num_heads=2, head_dim=8), D, window=-1, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="method"):
     RecurrentConfig(method="fast")
+  with pytest.raises(ValueError, match="conv_bias"):
+    RecurrentConfig(short_conv=False, conv_bias=True)
+  with pytest.raises(ValueError, match="silu_without_conv"):
+    RecurrentConfig(silu_without_conv=True)
+  with pytest.raises(ValueError, match="output_gate_rank"):
+    RecurrentConfig(output_gate="none", output_gate_rank=4)
+  with pytest.raises(ValueError, match="output_gate_rank"):
+    RecurrentConfig(output_gate_rank=0)
 
 
 @pytest.mark.gpu

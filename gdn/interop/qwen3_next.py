@@ -10,6 +10,7 @@ Gated DeltaNet (keys under e.g. "model.layers.0.linear_attn."):
   norm = RMSNormGated(V, rms_norm_eps): weight * RMSNorm(o) * silu(z) (a plain weight, not 1 + w); out_proj.
 Gated attention (keys under e.g. "model.layers.3.self_attn."):
   q_proj [N*2E, D] gives per head [query (E), gate (E)], our Attention's layout; k_proj, v_proj [G*E, D];
+  with attention_bias=True all four projections (o_proj too) have biases, our AttentionConfig.proj_bias;
   q_norm / k_norm are Qwen3NextRMSNorm, which scales by (1 + w): imported as our RMSNorm weight 1 + w (the same
   float32 number torch multiplies by). RoPE on the first int(E * partial_rotary_factor) dims, half-split pairs.
 """
@@ -99,13 +100,12 @@ def _rope(hf_config) -> tuple:
 def attention_config(hf_config, **overrides) -> tuple:
   """(AttentionConfig, d_model, norm_eps) from a `Qwen3NextConfig` or its config.json dict; norm_eps is
   `Attention`'s constructor argument for the q/k norms. `overrides`: e.g. implementation."""
-  if field(hf_config, "attention_bias", False):
-    raise ValueError("hf_config.attention_bias=True: our Attention's projections have no bias")
   N, D = field(hf_config, "num_attention_heads"), field(hf_config, "hidden_size")
   theta, fraction = _rope(hf_config)
   cfg = AttentionConfig(num_heads=N, num_kv_heads=field(hf_config, "num_key_value_heads", N),
                         head_dim=field(hf_config, "head_dim", None) or D // N, rope_theta=theta,
-                        rope_fraction=fraction, output_gate="sigmoid", qk_norm=True, **overrides)
+                        rope_fraction=fraction, output_gate="sigmoid", qk_norm=True,
+                        proj_bias=bool(field(hf_config, "attention_bias", False)), **overrides)
   return cfg, D, float(field(hf_config, "rms_norm_eps"))
 
 
@@ -113,11 +113,13 @@ def attention_params(state_dict, cfg: AttentionConfig, d_model: int, *, prefix: 
   """Nested NumPy params of `Attention(cfg, d_model)` from a `Qwen3NextAttention` state_dict."""
   t = state_dict if isinstance(state_dict, Tensors) else Tensors(state_dict, prefix)
   N, G, E, D = cfg.num_heads, cfg.KVH, cfg.head_dim, d_model
+  bias = cfg.proj_bias
   p = {
-      "q_proj": linear(t, "q_proj", D, 2 * N * E),
-      "k_proj": linear(t, "k_proj", D, G * E),
-      "v_proj": linear(t, "v_proj", D, G * E),
-      "o_proj": linear(t, "o_proj", N * E, D),
+      # q_proj's bias follows its rows' per-head [query, gate] order, which is ours.
+      "q_proj": linear(t, "q_proj", D, 2 * N * E, bias=bias),
+      "k_proj": linear(t, "k_proj", D, G * E, bias=bias),
+      "v_proj": linear(t, "v_proj", D, G * E, bias=bias),
+      "o_proj": linear(t, "o_proj", N * E, D, bias=bias),
       # Qwen3NextRMSNorm multiplies by (1 + w) in float32; 1 + w is that same float32 number.
       "q_norm": {"weight": 1.0 + t.take("q_norm.weight", (E,))},
       "k_norm": {"weight": 1.0 + t.take("k_norm.weight", (E,))},

@@ -46,6 +46,7 @@ class Attention(nnx.Module):
 
   output_gate "sigmoid" is Qwen3-Next's gated attention: q_proj also yields a per-channel gate, and the
   attention output is multiplied by sigmoid(gate) before o_proj. qk_norm applies RMSNorm per head before RoPE.
+  proj_bias gives the q, k, v and o projections biases (zero at init).
   """
 
   def __init__(self, cfg: AttentionConfig, d_model: int, *, window: int = 0, init_std: float = 0.02,
@@ -63,8 +64,8 @@ class Attention(nnx.Module):
     init = nnx.initializers.normal(init_std)
     out_init = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
     gated = cfg.output_gate == "sigmoid"
-    lin = lambda n_in, n_out, ki=init: nnx.Linear(n_in, n_out, use_bias=False, kernel_init=ki, dtype=dtype,
-                                                   rngs=rngs)
+    lin = lambda n_in, n_out, ki=init: nnx.Linear(n_in, n_out, use_bias=cfg.proj_bias, kernel_init=ki,
+                                                   dtype=dtype, rngs=rngs)
     self.q_proj = lin(d_model, N * E * (2 if gated else 1))
     self.k_proj = lin(d_model, G * E)
     self.v_proj = lin(d_model, G * E)

@@ -13,19 +13,22 @@ from gdn.layers.segments import segment_index
 
 
 class ShortConv(nnx.Module):
-  """y_t = sum_j w[j] * x_{t-W+1+j} per channel (w[W-1] weighs the current token), no bias, no activation.
+  """y_t = sum_j w[j] * x_{t-W+1+j} (+ b) per channel (w[W-1] weighs the current token), no activation.
 
-  The weight [W, C] is torch's Conv1d(C, C, W, groups=C) weight [C, 1, W] transposed. The state carries the
-  last W-1 inputs [B, W-1, C], so decoding a token at a time or prefilling in pieces equals one full pass.
+  The weight [W, C] is torch's Conv1d(C, C, W, groups=C) weight [C, 1, W] transposed, the optional bias [C] its
+  bias. The state carries the last W-1 inputs [B, W-1, C] (inputs, not outputs, so the bias is not in it), so
+  decoding a token at a time or prefilling in pieces equals one full pass.
   """
 
-  def __init__(self, channels: int, size: int, *, init_std: float = 0.02, dtype=jnp.float32, rngs: nnx.Rngs):
+  def __init__(self, channels: int, size: int, *, bias: bool = False, init_std: float = 0.02, dtype=jnp.float32,
+               rngs: nnx.Rngs):
     if size < 1:
       raise ValueError(f"size must be a positive int, got {size!r}")
     self.channels = channels
     self.size = size
     self.dtype = dtype
     self.weight = nnx.Param(nnx.initializers.normal(init_std)(rngs.params(), (size, channels), jnp.float32))
+    self.bias = nnx.Param(jnp.zeros((channels,), jnp.float32)) if bias else None
 
   def init_state(self, batch: int, dtype=None):
     return jnp.zeros((batch, self.size - 1, self.channels), dtype or self.dtype)
@@ -72,6 +75,8 @@ class ShortConv(nnx.Module):
       if segment_ids is not None:
         tap = jnp.where((sp[:, j:j + T] == seg)[..., None], tap, 0)
       y = y + tap
+    if self.bias is not None:
+      y = y + self.bias[...].astype(x.dtype)
     return y, xp[:, T:]
 
 

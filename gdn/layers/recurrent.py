@@ -52,18 +52,20 @@ def init_decay(key, shape_A, shape_dt, dt_init: str):
 class RecurrentMixer(nnx.Module):
   """Gated DeltaNet and its baselines, chosen by the switches of `RecurrentConfig`:
 
-    q, k, v = conv+SiLU(W_q x, W_k x, W_v x)      (plain projections when short_conv is off)
+    q, k, v = SiLU(conv(W_q x, W_k x, W_v x))     (conv with a bias if conv_bias; without short_conv, plain
+                                                   projections, or SiLU of them with silu_without_conv)
     q, k    = l2norm(q) / sqrt(K), l2norm(k)       (qk_norm "l2")
     g       = -exp(A_log) * softplus(W_a x + dt_bias)     per head [B,T,HV], or per key channel [B,T,HV,K]
                                                           through a rank-R projection (KDA)
     beta    = sigmoid(W_b x) (x2 with allow_neg_eigval)    per head [B,T,HV] or per value channel [B,T,HV,V]
     o       = gated_delta_rule(q, k, v, g, beta)
-    y       = W_o dropout(RMSNorm(o) * act(W_g x))
+    y       = W_o dropout(RMSNorm(o) * act(W_g x))    W_g x is W_g2 (W_g1 x) + b_g with output_gate_rank
 
   The seed preset is the seed text's `GatedDeltaNet` exactly (q is divided by sqrt(K) before the op, which
-  then runs with scale 1). KDA's output gate is a full-rank W_g here (fla uses a rank-V two-layer one); its
-  per-channel dt_bias gets the same log-uniform init as the per-head one. Initialisation: projections normal(init_std), the output projection
-  normal(out_init_std); norms one; biases zero; A_log and dt_bias as `init_decay`.
+  then runs with scale 1). The KDA preset's output gate is full rank; output_gate_rank=V gives fla's two-layer
+  one. KDA's per-channel dt_bias gets the same log-uniform init as the per-head one. Initialisation: projections
+  normal(init_std), the output projection normal(out_init_std); norms one; biases zero; A_log and dt_bias as
+  `init_decay`.
   """
 
   def __init__(self, cfg: RecurrentConfig, d_model: int, *, init_std: float = 0.02, out_init_std=None,
@@ -83,8 +85,8 @@ class RecurrentMixer(nnx.Module):
     self.k_proj = linear(d_model, H * K, cfg.qkv_bias)
     self.v_proj = linear(d_model, HV * V, cfg.qkv_bias)
     # One depthwise conv over [q | k | v] channels is three separate ones, with one state to carry.
-    self.conv = (ShortConv(2 * H * K + HV * V, cfg.conv_size, init_std=init_std, dtype=dtype, rngs=rngs)
-                 if cfg.short_conv else None)
+    self.conv = (ShortConv(2 * H * K + HV * V, cfg.conv_size, bias=cfg.conv_bias, init_std=init_std, dtype=dtype,
+                           rngs=rngs) if cfg.short_conv else None)
     # Each attribute is assigned once (a module or None): NNX fixes an attribute's data/static status on first set.
     head, channel = cfg.decay == "head", cfg.decay == "channel"
     self.a_proj = linear(d_model, HV) if head else None
@@ -96,7 +98,11 @@ class RecurrentMixer(nnx.Module):
     else:
       self.A_log = self.dt_bias = None
     self.b_proj = (linear(d_model, HV if cfg.beta == "head" else HV * V) if cfg.beta != "none" else None)
-    self.g_proj = linear(d_model, HV * V) if cfg.output_gate != "none" else None
+    gated, rank = cfg.output_gate != "none", cfg.output_gate_rank
+    self.g_proj = linear(d_model, HV * V) if gated and rank is None else None
+    # fla's KDA gate: two layers through rank R, a bias on the second only.
+    self.g_a_proj = linear(d_model, rank) if gated and rank is not None else None
+    self.g_b_proj = linear(rank, HV * V, bias=True) if gated and rank is not None else None
     if not cfg.output_norm:
       self.o_norm = None
     elif cfg.output_gate != "none":
@@ -135,6 +141,8 @@ class RecurrentMixer(nnx.Module):
       qkv, conv_state = self.conv(jnp.concatenate([q, k, v], axis=-1), segment_ids=segment_ids,
                                   state=None if cache is None else cache.conv, context_axis=context_axis)
       q, k, v = jnp.split(jax.nn.silu(qkv), [H * K, 2 * H * K], axis=-1)
+    elif cfg.silu_without_conv:
+      q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
     q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
     if cfg.qk_norm == "l2":
       q, k = l2norm(q), l2norm(k)
@@ -163,7 +171,8 @@ class RecurrentMixer(nnx.Module):
       o, S = ops.gated_delta_rule(q, k, v, g, beta, scale=1.0, initial_state=S0, segment_ids=segment_ids,
                                   method=cfg.method, chunk_size=cfg.chunk_size)
 
-    gate = None if self.g_proj is None else self.g_proj(x).reshape(B, T, HV, V)
+    gate = self._output_gate(x)
+    gate = None if gate is None else gate.reshape(B, T, HV, V)
     if isinstance(self.o_norm, GatedRMSNorm):
       o = self.o_norm(o, gate)
     else:
@@ -176,6 +185,14 @@ class RecurrentMixer(nnx.Module):
     o = self.dropout(o, deterministic=True) if cache is not None else self.dropout(o)
     y = self.o_proj(o)
     return y, (None if cache is None else RecurrentCache(conv_state, S))
+
+  def _output_gate(self, x):
+    """The output gate's pre-activation [B, T, HV*V], full rank or through output_gate_rank; None without a gate."""
+    if self.g_proj is not None:
+      return self.g_proj(x)
+    if self.g_a_proj is not None:
+      return self.g_b_proj(self.g_a_proj(x))
+    return None
 
   def _decay(self, x, B, T):
     """g = -exp(A_log) * softplus(a + dt_bias) in float32: [B, T, HV], [B, T, HV, K] or None."""
