@@ -38,8 +38,9 @@ def context_parallel_apply(model: LanguageModel, tokens, mesh, *, axis_name: str
   Args:
     model: a `LanguageModel` without active dropout.
     tokens: int [B, T]. segment_ids: None or int [B, T] (packed sequences; a segment may span slices).
-    mesh: a `jax.sharding.Mesh` with the axis `axis_name`; batch_axis_name: None or another of its axes, over
-      which the batch is split as well (data parallelism beside context parallelism).
+    mesh: a `jax.sharding.Mesh` with the axis `axis_name`; batch_axis_name: None, another of its axes or a
+      tuple of them (("data", "fsdp") in training), over which the batch is split as well (data parallelism
+      beside context parallelism).
   Returns:
     logits float32 [B, T, Vocab], split over `axis_name` along T where D divides T (and over batch_axis_name
     along B).

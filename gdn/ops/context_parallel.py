@@ -65,8 +65,8 @@ def context_parallel_gated_delta_rule(q, k, v, g=None, beta=None, *, mesh, axis_
   Args:
     q, k: [B, T, H, K]. v: [B, T, HV, V]. g: None, [B, T, HV] or [B, T, HV, K]. beta: None or [B, T, HV]
       (per-value-channel beta is declined: its slice map is one [K, K] matrix per value channel).
-    mesh: a `jax.sharding.Mesh` with the axis `axis_name`; batch_axis_name: None or another of its axes,
-      over which the batch is split as well (data parallelism beside context parallelism).
+    mesh: a `jax.sharding.Mesh` with the axis `axis_name`; batch_axis_name: None, another of its axes or a
+      tuple of them, over which the batch is split as well (data parallelism beside context parallelism).
     initial_state: None or [B, HV, K, V]. segment_ids: None or [B, T] integers; a segment may start anywhere,
       on a slice boundary or inside a slice, and may span several slices.
     method: "auto" (= "chunk"), "chunk" or "associative": how a device scans its own chunks.
@@ -221,14 +221,21 @@ def _varying_axes(x) -> frozenset:
 
 
 def check_mesh_axes(mesh, axis_name, batch_axis_name, B: int) -> int:
-  """The size D of the sequence axis `axis_name`, after checking that it and `batch_axis_name` (None or a
-  second axis, over which the batch B is split) are axes of the mesh, that they differ and that B splits."""
-  for arg, name in (("axis_name", axis_name), ("batch_axis_name", batch_axis_name)):
-    if name is not None and name not in mesh.axis_names:
+  """The size D of the sequence axis `axis_name`, after checking that it and `batch_axis_name` (None, a second
+  axis or a tuple of axes, over which the batch B is split) are axes of the mesh, that they differ and that B
+  splits."""
+  batch_axes = batch_axis_name if isinstance(batch_axis_name, tuple) else (batch_axis_name,)
+  batch_axes = tuple(a for a in batch_axes if a is not None)
+  for arg, name in [("axis_name", axis_name)] + [("batch_axis_name", a) for a in batch_axes]:
+    if name not in mesh.axis_names:
       raise ValueError(f"{arg}={name!r} is not an axis of the mesh, whose axes are {tuple(mesh.axis_names)}")
-  if batch_axis_name == axis_name:
+  if axis_name in batch_axes:
     raise ValueError(f"batch_axis_name must differ from axis_name, both are {axis_name!r}")
-  Db = 1 if batch_axis_name is None else mesh.shape[batch_axis_name]
+  if len(set(batch_axes)) != len(batch_axes):
+    raise ValueError(f"batch_axis_name names an axis twice: {batch_axis_name!r}")
+  Db = 1
+  for a in batch_axes:
+    Db *= mesh.shape[a]
   if B % Db:
     raise ValueError(f"the batch B={B} must be a multiple of the mesh axis {batch_axis_name!r} of size {Db}")
   return mesh.shape[axis_name]

@@ -35,8 +35,9 @@ class TrainConfig:
   checkpoint_every: int = 500  # 0 = only at the end
   keep_checkpoints: int = 3
   progress_bar: bool = True
-  mesh_data: int = -1  # data-parallel devices (-1: all that mesh_fsdp leaves); see gdn/train/sharding.py
+  mesh_data: int = -1  # data-parallel devices (-1: all that mesh_fsdp and mesh_seq leave); gdn/train/sharding.py
   mesh_fsdp: int = 1  # devices that split every parameter and its optimizer state (FSDP)
+  mesh_seq: int = 1  # devices that split the time axis of every sequence (context parallelism; docs/scaling.md)
 
   def __post_init__(self):
     for name in ("steps", "log_every", "keep_checkpoints"):
@@ -48,6 +49,8 @@ class TrainConfig:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
     if self.mesh_fsdp < 1 or (self.mesh_data != -1 and self.mesh_data < 1):
       raise ValueError(f"mesh_fsdp must be >= 1 and mesh_data >= 1 or -1, got {self.mesh_fsdp}, {self.mesh_data}")
+    if not isinstance(self.mesh_seq, int) or self.mesh_seq < 1:
+      raise ValueError(f"mesh_seq must be a positive int, got {self.mesh_seq!r}")
     if self.stop_step > self.steps:
       raise ValueError(f"stop_step {self.stop_step} is past steps {self.steps}")
     if self.warmup_steps >= self.steps:
@@ -151,7 +154,24 @@ def from_dict(d: dict) -> ExperimentConfig:
   cfg = ExperimentConfig(**kwargs)
   if not isinstance(cfg.seed, int):
     raise ConfigError(f"config.seed must be an int, got {cfg.seed!r}")
+  _check_context_parallel(cfg)
   return cfg
+
+
+def _check_context_parallel(cfg: ExperimentConfig) -> None:
+  """What context parallelism (train.mesh_seq > 1) declines, refused when the config is read rather than when
+  the first step is traced. The device count and the sequence lengths are checked by the loop and the step."""
+  if cfg.train.mesh_seq == 1:
+    return
+  rec = cfg.model.recurrent
+  if rec.dropout > 0:
+    raise ConfigError(f"config.train.mesh_seq={cfg.train.mesh_seq} does not support "
+                      f"config.model.recurrent.dropout={rec.dropout}: every device would draw its slice's "
+                      "dropout mask from the same key; set dropout to 0 or mesh_seq to 1")
+  if "recurrent" in cfg.model.layer_kinds and rec.beta == "channel":
+    raise ConfigError(f"config.train.mesh_seq={cfg.train.mesh_seq} does not support "
+                      "config.model.recurrent.beta='channel' (per-value-channel beta has no [K, K] slice "
+                      "map); use beta='head' or mesh_seq=1")
 
 
 def to_dict(cfg) -> dict:

@@ -53,11 +53,15 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
   B = cfg.data.batch_size
 
   try:
-    mesh = sharding.make_mesh(tc.mesh_data, tc.mesh_fsdp)
+    mesh = sharding.make_mesh(tc.mesh_data, tc.mesh_fsdp, seq=tc.mesh_seq)
   except ValueError as e:
+    if tc.mesh_seq > 1:
+      raise ConfigError(f"config.train.mesh_seq={tc.mesh_seq} with mesh_data={tc.mesh_data}, "
+                        f"mesh_fsdp={tc.mesh_fsdp}: {e}") from None
     raise ConfigError(f"config.train.mesh_data / mesh_fsdp: {e}") from None
-  if B % mesh.size:
-    raise ConfigError(f"config.data.batch_size {B} must be a multiple of the {mesh.size} devices")
+  if B % sharding.batch_devices(mesh):
+    raise ConfigError(f"config.data.batch_size {B} must be a multiple of the {sharding.batch_devices(mesh)} "
+                      "devices that split the batch (mesh_data * mesh_fsdp)")
   # One process loads whole batches exactly as it always has; with several, each loads its devices' rows.
   rows = sharding.process_rows(mesh, B) if jax.process_count() > 1 else None
   task = make_task(cfg.data, cfg.seed, last, rows)
@@ -78,7 +82,9 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
   state = sharding.shard_state(state, mesh)
   writer = metrics.MetricWriter(workdir, resume_step=start) if primary else _NoWriter()
   data = iterator(task.train, data_state, num_threads=cfg.data.num_threads)
-  train_step = step.make_train_step(graphdef, tx, lr)
+  # Context parallelism in the train step only: eval runs the plain forward on the same mesh (its batches
+  # may have fewer rows than the devices that split the batch, and it needs no gradients).
+  train_step = step.make_train_step(graphdef, tx, lr, mesh=mesh if tc.mesh_seq > 1 else None)
   eval_step = step.make_eval_step(graphdef)
   sets = evaluate.EvalSets(task, cfg.data.eval_batch, cfg.seed)
 

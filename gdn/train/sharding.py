@@ -1,8 +1,12 @@
-"""Sharded training on a named device mesh: data parallelism and FSDP through JAX's own SPMD partitioner.
+"""Sharded training on a named device mesh: data parallelism and FSDP through JAX's own SPMD partitioner, and
+context parallelism beside them.
 
 The mesh has axes ("data", "fsdp"). Batches split their batch axis over both; every parameter (and its
 optimizer moments) splits its largest axis that the "fsdp" size divides, the rest is replicated. XLA inserts
 the all-gathers and reduce-scatters; one device is the mesh (1, 1) and runs the same code unchanged.
+With context parallelism (seq > 1) the mesh is ("data", "fsdp", "seq"): batches split their time axis over
+"seq" as well, parameters stay split over "fsdp" only (replicated over "seq"), and the train step runs the
+model under `gdn.parallel.context_parallel_apply` (gdn/train/step.py).
 Several hosts: call `jax.distributed.initialize()` first (see docs/scaling.md), then build the mesh over
 `jax.devices()` as here. Each process then loads only the rows of a batch that its own devices hold
 (`process_rows`) and `shard_batch` assembles the global arrays from every process's rows.
@@ -16,20 +20,39 @@ import numpy as np
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-AXES = ("data", "fsdp")
+AXES = ("data", "fsdp")  # the axes that split the batch
+SEQ = "seq"  # the axis that splits the time axis under context parallelism
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
-  """A ("data", "fsdp") mesh over `devices` (default all); data = -1 takes what fsdp leaves."""
+def make_mesh(data: int = -1, fsdp: int = 1, devices=None, seq: int = 1) -> Mesh:
+  """A ("data", "fsdp") mesh over `devices` (default all), or ("data", "fsdp", "seq") for seq > 1; data = -1
+  takes what fsdp and seq leave."""
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
+  if seq < 1 or n % seq:
+    raise ValueError(f"seq must be a positive divisor of the device count {n}, got {seq}")
   if fsdp < 1 or n % fsdp:
     raise ValueError(f"fsdp must be a positive divisor of the device count {n}, got {fsdp}")
   if data == -1:
-    data = n // fsdp
-  if data < 1 or data * fsdp != n:
-    raise ValueError(f"data * fsdp must equal the device count {n}, got data={data}, fsdp={fsdp}")
-  return Mesh(np.array(devices).reshape(data, fsdp), AXES)
+    data = n // (fsdp * seq)
+  if seq == 1:
+    if data < 1 or data * fsdp != n:
+      raise ValueError(f"data * fsdp must equal the device count {n}, got data={data}, fsdp={fsdp}")
+    return Mesh(np.array(devices).reshape(data, fsdp), AXES)
+  if data < 1 or data * fsdp * seq != n:
+    raise ValueError(f"data * fsdp * seq must equal the device count {n}, got data={data}, fsdp={fsdp}, seq={seq}")
+  # seq innermost: a sequence's slices sit on neighbouring devices, which exchange halos and state maps.
+  return Mesh(np.array(devices).reshape(data, fsdp, seq), AXES + (SEQ,))
+
+
+def seq_size(mesh: Mesh) -> int:
+  """The devices that split the time axis: 1 on a ("data", "fsdp") mesh."""
+  return mesh.shape[SEQ] if SEQ in mesh.axis_names else 1
+
+
+def batch_devices(mesh: Mesh) -> int:
+  """The devices that split the batch axis: data * fsdp (every device without a "seq" axis)."""
+  return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
 def param_spec(shape, fsdp_size: int) -> P:
@@ -69,9 +92,14 @@ def shard_state(state, mesh: Mesh):
   return jax.tree.map(put, state, shardings)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """The batch axis split over every device of the mesh; other axes whole."""
-  return NamedSharding(mesh, P(AXES))
+def batch_sharding(mesh: Mesh, shape=None) -> NamedSharding:
+  """The batch axis split over ("data", "fsdp"), which is every device without a "seq" axis; on a mesh with
+  one, the time axis (axis 1 of `shape`) split over "seq" where its size divides; other axes whole."""
+  D = seq_size(mesh)
+  if D == 1 or shape is None or len(shape) < 2 or shape[1] % D:
+    # A length that "seq" does not divide stays whole here; context_parallel_apply pads it and splits it.
+    return NamedSharding(mesh, P(AXES))
+  return NamedSharding(mesh, P(AXES, SEQ))
 
 
 def process_rows(mesh: Mesh, global_batch: int) -> slice:
@@ -95,9 +123,10 @@ def process_rows(mesh: Mesh, global_batch: int) -> slice:
 
 
 def _check_divisible(what: str, size: int, mesh: Mesh) -> None:
-  if size % mesh.size:
-    raise ValueError(f"{what} has batch size {size}, not a multiple of the {mesh.size} devices "
-                     f"of the mesh {dict(mesh.shape)}")
+  n = batch_devices(mesh)
+  if size % n:
+    raise ValueError(f"{what} has batch size {size}, not a multiple of the {n} devices (data x fsdp) that split "
+                     f"the batch on the mesh {dict(mesh.shape)}")
 
 
 def shard_batch(batch, mesh: Mesh, global_batch: int | None = None):
@@ -110,10 +139,10 @@ def shard_batch(batch, mesh: Mesh, global_batch: int | None = None):
     global_batch: B; None: the rows of `batch`.
 
   Returns:
-    The same dict of arrays [B, ...] sharded by `batch_sharding(mesh)`. One process: `jax.device_put` of
-    the whole batch. Several: each process hands over only its own rows (cut from the whole batch if it was
-    given one) and `jax.make_array_from_process_local_data` assembles the global arrays, so no process needs
-    another's data.
+    The same dict of arrays [B, ...] sharded by `batch_sharding(mesh, shape)`. One process: `jax.device_put`
+    of the whole batch. Several: each process hands over only its own rows (cut from the whole batch if it was
+    given one), whole along T, and `jax.make_array_from_process_local_data` assembles the global arrays, so no
+    process needs another's rows.
   """
   sizes = {name: np.shape(x)[0] for name, x in batch.items()}
   if len(set(sizes.values())) != 1:
@@ -121,7 +150,7 @@ def shard_batch(batch, mesh: Mesh, global_batch: int | None = None):
   name, rows = next(iter(sizes.items()))
   B = rows if global_batch is None else global_batch
   _check_divisible(f"batch[{name!r}]" if global_batch is None else "the global batch", B, mesh)
-  sharded = batch_sharding(mesh)
+  sharded = {name: batch_sharding(mesh, np.shape(x)) for name, x in batch.items()}
   if jax.process_count() == 1:
     if rows != B:
       raise ValueError(f"one process must pass the whole batch of {B} rows, got {rows}")
@@ -132,5 +161,6 @@ def shard_batch(batch, mesh: Mesh, global_batch: int | None = None):
   elif rows != mine.stop - mine.start:
     raise ValueError(f"process {jax.process_index()} holds rows [{mine.start}, {mine.stop}) of the global batch "
                      f"of {B}, got {rows} rows")
-  return {name: jax.make_array_from_process_local_data(sharded, np.asarray(x), (B,) + np.shape(x)[1:])
+  # Axes other than the batch's are whole in every process: each device then takes its slice of T from them.
+  return {name: jax.make_array_from_process_local_data(sharded[name], np.asarray(x), (B,) + np.shape(x)[1:])
           for name, x in batch.items()}

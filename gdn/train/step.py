@@ -12,6 +12,9 @@ from flax import nnx
 
 from gdn.config import ModelConfig
 from gdn.model import LanguageModel
+from gdn.parallel import context_parallel_apply
+from gdn.train import sharding
+from gdn.train.config import ConfigError
 
 
 @flax.struct.dataclass
@@ -45,18 +48,41 @@ def _token_stats(logits_BxTxV, batch):
               seqs=has.sum())
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule):
-  """The jitted step; the incoming state's buffers are donated (updated in place)."""
+def _context_parallel_logits(model: LanguageModel, tokens, mesh):
+  """`model(tokens)` with T split over the mesh's "seq" axis and B over ("data", "fsdp")."""
+  D, T = sharding.seq_size(mesh), tokens.shape[1]
+  rec = model.cfg.recurrent
+  halo = rec.conv_size - 1 if rec.short_conv and "recurrent" in model.cfg.layer_kinds else 0
+  if -(-T // D) < halo:
+    raise ConfigError(f"config.train.mesh_seq={D} splits sequences of {T} tokens into slices of {-(-T // D)}, "
+                      f"fewer than the conv_size - 1 = {halo} steps that each device's short conv takes from "
+                      "the previous device; use a smaller mesh_seq or longer sequences")
+  return context_parallel_apply(model, tokens, mesh, axis_name=sharding.SEQ, batch_axis_name=sharding.AXES)
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, mesh=None):
+  """The jitted step; the incoming state's buffers are donated (updated in place).
+
+  mesh: None, or a ("data", "fsdp", "seq") mesh (`sharding.make_mesh` with seq > 1): the forward then runs
+  under context parallelism, and the gradients are constrained to the parameters' FSDP sharding so that the
+  sum over devices of the replicated parameters' gradients becomes a reduce-scatter.
+  """
 
   def loss_fn(params, rest, batch):
     model = nnx.merge(graphdef, params, rest)
-    stats = _token_stats(model(batch["inputs"]), batch)
+    if mesh is None:
+      logits = model(batch["inputs"])
+    else:
+      logits = _context_parallel_logits(model, batch["inputs"], mesh)
+    stats = _token_stats(logits, batch)
     loss = stats["nll"] / jnp.maximum(stats["weight"], 1.0)
     _, _, rest = nnx.split(model, nnx.Param, ...)
     return loss, (stats, rest)
 
   def train_step(state: TrainState, batch):
     (loss, (stats, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, state.rest, batch)
+    if mesh is not None:
+      grads = jax.lax.with_sharding_constraint(grads, sharding.tree_shardings(grads, mesh))
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(loss=loss, accuracy=stats["correct"] / jnp.maximum(stats["weight"], 1.0),
