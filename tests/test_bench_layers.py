@@ -1,0 +1,25 @@
+"""experiments/bench_layers.py runs at a tiny size: one table row per sequence length, positive timings."""
+
+from experiments.bench_layers import main
+
+
+def test_bench_layers_table(capsys):
+  # The token scan compiles in half the time of the chunk form on CPU; the table is the same either way.
+  lengths, tokens = [16, 32], 64
+  rows = main(["--d-model", "32", "--heads", "2", "--head-dim", "16", "--tokens", str(tokens), "--lengths",
+               ",".join(map(str, lengths)), "--reps", "1", "--method", "recurrent"])
+  out = capsys.readouterr().out
+  assert out.startswith("# layer fwd+bwd, ") and "jax " in out.splitlines()[0], out
+
+  lines = [line for line in out.splitlines() if line.startswith("|")]
+  header = [c.strip() for c in lines[0].strip("|").split("|")]
+  table = [dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
+  assert [int(r["T"]) for r in table] == lengths, out
+  assert [int(r["B"]) for r in table] == [tokens // T for T in lengths]
+  for r in table:
+    for col in ("GDN fwd+bwd ms", "attention fwd+bwd ms", "GDN tokens/s", "attention tokens/s"):
+      assert float(r[col].replace(",", "")) > 0, (col, r)
+    assert float(r["attention/GDN"].rstrip("x")) > 0
+    assert r["GDN method"] == "recurrent"
+  assert "Crossover: " in out
+  assert [r["T"] for r in rows] == lengths and all(r[k]["ms"] > 0 for r in rows for k in ("gdn", "attention"))
