@@ -15,7 +15,6 @@ one run. Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head decay and be
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import time
 
