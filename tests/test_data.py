@@ -113,6 +113,19 @@ def test_eval_splits_are_fixed_and_long():
   np.testing.assert_array_equal(a[-1]["inputs"], b[-1]["inputs"])
 
 
+def test_last_eval_batch_is_padded_with_weightless_rows():
+  cfg = DataConfig(task="state", state=state_tracking.StateConfig(train_length=16, eval_lengths=(16,),
+                                                                   eval_examples=10))
+  split = make_task(cfg, 0, 2).evals[0]
+  batches = eval_batches(split, 4, 0)
+  assert [b["inputs"].shape for b in batches] == [(4, 16)] * 3  # one shape: one compile of the eval step
+  weighted = np.concatenate([b["weights"].sum(-1) > 0 for b in batches])
+  np.testing.assert_array_equal(weighted, [True] * 10 + [False] * 2)
+  first_two = eval_batches(split, 2, 0)[4]  # the same last two examples, unpadded
+  for name, x in first_two.items():
+    np.testing.assert_array_equal(batches[-1][name][:2], x)
+
+
 def test_byte_corpus_splits_by_file(tmp_path):
   for i in range(40):
     (tmp_path / f"m{i}.py").write_text(f"x = {i}\n" * 50)
