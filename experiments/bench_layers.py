@@ -30,6 +30,7 @@ from flax import nnx
 
 from experiments.bench_ops import timed
 from gdn.config import AttentionConfig, recurrent_preset
+from gdn.ops import checks
 from gdn.layers.attention import Attention
 from gdn.layers.recurrent import RecurrentMixer
 from gdn.ops.api import pick_method
@@ -110,7 +111,7 @@ def parse_args(argv=None):
   p.add_argument("--kv-heads", type=int, help="attention's key/value heads (GQA); default: --heads")
   p.add_argument("--dtype", choices=["float32", "bfloat16"], help="override the preset")
   p.add_argument("--lengths", help="comma-separated sequence lengths T (override the preset)")
-  p.add_argument("--method", default="auto", choices=["auto", "recurrent", "chunk", "associative", "pallas"],
+  p.add_argument("--method", default="auto", choices=checks.METHODS,
                  help="the GDN layer's op method")
   p.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "cudnn"],
                  help="jax.nn.dot_product_attention's implementation (auto: cuDNN for 16-bit on a GPU)")

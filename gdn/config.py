@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from gdn.ops import checks
+
 DECAYS = ("none", "head", "channel")
 BETAS = ("none", "head", "channel")
 OUTPUT_GATES = ("none", "silu", "sigmoid")
@@ -72,7 +74,7 @@ class RecurrentConfig:
     _choice("output_gate", self.output_gate, OUTPUT_GATES)
     _choice("qk_norm", self.qk_norm, QK_NORMS)
     _choice("dt_init", self.dt_init, ("fla", "seed"))
-    _choice("method", self.method, ("auto", "recurrent", "chunk", "associative", "pallas"))
+    _choice("method", self.method, checks.METHODS)
     _positive("decay_low_rank", self.decay_low_rank)
     if self.output_gate_rank is not None:
       _positive("output_gate_rank", self.output_gate_rank)
