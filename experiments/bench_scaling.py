@@ -120,7 +120,6 @@ def main(argv=None) -> list:
   cfg = experiment_config(args)
   tx = optimizer.make_optimizer(cfg.train)
   graphdef, abstract = jax.eval_shape(lambda: step.init(cfg.model, tx, cfg.seed))
-  train_step = step.make_train_step(graphdef, tx, optimizer.schedule(cfg.train))
   eval_step = step.make_eval_step(graphdef)
   init_state = lambda: step.init(cfg.model, tx, cfg.seed)[1]
   init_on_one = jax.jit(init_state)  # on devices[0]
@@ -159,6 +158,7 @@ def main(argv=None) -> list:
     # Made directly in its shards: no device ever holds the whole state unless the mesh says so.
     state = jax.jit(init_state, out_shardings=sharding.tree_shardings(abstract, mesh))()
     batch = sharding.shard_batch(host_batch, mesh)
+    train_step = step.make_train_step(graphdef, tx, optimizer.schedule(cfg.train), mesh=mesh)
     compiled = train_step.lower(state, batch).compile()
     mem = compiled.memory_analysis()
     est = None if mem is None else (mem.argument_size_in_bytes + mem.output_size_in_bytes

@@ -43,6 +43,54 @@ def test_sharded_training_on_8_devices():
   assert "sharded ok" in r.stdout
 
 
+def test_cudnn_operands_pinned_alike():
+  """cuDNN attention's partitioner needs q, k, v sharded alike, on batch only: under the step's mesh,
+  `shard_alike_for_cudnn` pins differently sharded inputs to the batch split (replicated when B does not
+  divide), and leaves them alone outside a mesh context."""
+  from devices import run_child
+
+  out = run_child(__file__, "cudnn")
+  assert out["under_mesh"] == [["data,fsdp", None, None, None]] * 3, out
+  assert out["batch_not_divisible"] == [[None, None, None, None]] * 3, out
+  assert out["no_mesh"][1] == [None, None, "fsdp", None], out  # k keeps its own sharding
+
+
+def _cudnn_child():
+  import json
+
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from gdn.layers.attention import shard_alike_for_cudnn
+  from gdn.train.sharding import make_mesh
+
+  mesh = make_mesh(data=4, fsdp=2)
+
+  def specs(arrays):
+    out = []
+    for a in arrays:
+      spec = tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec))
+      out.append([",".join(x) if isinstance(x, tuple) else x for x in spec])
+    return out
+
+  def run(B, context):
+    q = jax.device_put(jnp.ones((B, 16, 4, 8)), NamedSharding(mesh, P(None, "data")))  # split along T
+    k = jax.device_put(jnp.ones((B, 16, 2, 8)), NamedSharding(mesh, P(None, None, "fsdp")))  # along heads
+    v = jax.device_put(jnp.ones((B, 16, 2, 8)), NamedSharding(mesh, P()))
+
+    @jax.jit
+    def f(q, k, v):
+      if not context:
+        return shard_alike_for_cudnn(q * 2, k * 2, v * 2)
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return shard_alike_for_cudnn(q * 2, k * 2, v * 2)
+
+    return specs(f(q, k, v))
+
+  print(json.dumps(dict(under_mesh=run(8, True), batch_not_divisible=run(6, True), no_mesh=run(8, False))))
+
+
 def _child(workdir):
   import jax
   import jax.numpy as jnp
@@ -125,4 +173,4 @@ def _child(workdir):
 
 
 if __name__ == "__main__":
-  _child(sys.argv[1])
+  _cudnn_child() if sys.argv[1] == "cudnn" else _child(sys.argv[1])

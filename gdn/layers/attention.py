@@ -7,11 +7,13 @@ Shapes: B batch, T new tokens (this device's slice under context parallelism), L
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from gdn.config import AttentionConfig
 from gdn.layers.norms import RMSNorm
@@ -25,6 +27,24 @@ class KVCache(NamedTuple):
   v: jax.Array  # [B, L, G, E]
   kpos: jax.Array  # [L] int32 position held by each slot, -1 when empty
   pos: jax.Array  # [] int32 number of tokens seen
+
+
+def shard_alike_for_cudnn(q, k, v):
+  """q, k, v [B, T, *, E] pinned to one sharding: the batch split over the context mesh's axes (replicated if B
+  does not divide), or unchanged outside a mesh context.
+
+  cuDNN attention's partitioner refuses q, k and v sharded differently, or along T or E; under FSDP, sharding
+  propagation can give the three projections' outputs different shardings. The train and eval steps trace the
+  model under their mesh (`jax.sharding.use_abstract_mesh`) so that this finds it.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types):
+    return q, k, v
+  axes = tuple(n for n, size in zip(mesh.axis_names, mesh.axis_sizes) if size > 1)
+  if not axes:
+    return q, k, v
+  spec = P(axes) if q.shape[0] % math.prod(mesh.shape[n] for n in axes) == 0 else P()
+  return tuple(jax.lax.with_sharding_constraint(x, spec) for x in (q, k, v))
 
 
 def rope(x, positions, *, theta: float, rot_dim: int):
@@ -131,10 +151,12 @@ class Attention(nnx.Module):
       if segment_ids is not None:
         seg = segment_index(segment_ids)
         mask = (seg[:, :, None] == seg[:, None, :])[:, None]
+      impl = self._implementation(q.dtype, mask is not None)
+      if impl == "cudnn":
+        q, k, v = shard_alike_for_cudnn(q, k, v)
       o = jax.nn.dot_product_attention(
           q, k, v, mask=mask, is_causal=True,
-          local_window_size=(self.window - 1, 0) if self.window else None,
-          implementation=self._implementation(q.dtype, mask is not None))
+          local_window_size=(self.window - 1, 0) if self.window else None, implementation=impl)
       new_cache = None
     else:
       o, new_cache = self._attend_cached(q, k, v, positions, cache)

@@ -18,7 +18,7 @@ _IMPLS = {"recurrent": recurrent, "chunk": chunk, "associative": associative, "p
 
 def pick_method(dims: checks.Dims, chunk_size: int) -> str:
   """`method="auto"`: the token scan for a handful of tokens (decode). On a GPU, for sequences: the
-  associative scan when the Pallas state pass would run fewer than 64 programs (B HV ceil(V / 64): most of the
+  associative scan when the Pallas state pass would run fewer than 32 programs (B HV ceil(V / 64): most of the
   GPU's multiprocessors idle while each program walks all N chunks), else `pallas`; `chunk` for
   per-value-channel beta, which neither supports. On TPU the associative scan for small states
   (B HV K V <= 2^19), else `chunk`; on CPU `chunk`. docs/benchmarks.md has the H200 measurements behind both
@@ -30,7 +30,7 @@ def pick_method(dims: checks.Dims, chunk_size: int) -> str:
     return "chunk"
   if backend == "gpu":
     programs = dims.B * dims.HV * -(-dims.V // 64)
-    return "associative" if programs < 64 else "pallas"
+    return "associative" if programs < 32 else "pallas"
   return "associative" if dims.B * dims.HV * dims.K * dims.V <= 2**19 else "chunk"
 
 

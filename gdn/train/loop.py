@@ -84,8 +84,8 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
   data = iterator(task.train, data_state, num_threads=cfg.data.num_threads)
   # Context parallelism in the train step only: eval runs the plain forward on the same mesh (its batches
   # may have fewer rows than the devices that split the batch, and it needs no gradients).
-  train_step = step.make_train_step(graphdef, tx, lr, mesh=mesh if tc.mesh_seq > 1 else None)
-  eval_step = step.make_eval_step(graphdef)
+  train_step = step.make_train_step(graphdef, tx, lr, mesh=mesh)
+  eval_step = step.make_eval_step(graphdef, mesh)
   sets = evaluate.EvalSets(task, cfg.data.eval_batch, cfg.seed)
 
   def run_eval(s):

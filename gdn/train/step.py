@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import flax.struct
@@ -60,20 +61,28 @@ def _context_parallel_logits(model: LanguageModel, tokens, mesh):
   return context_parallel_apply(model, tokens, mesh, axis_name=sharding.SEQ, batch_axis_name=sharding.AXES)
 
 
+def _on_mesh(mesh):
+  """Traces under `mesh` (layers that need activation shardings read it: `shard_alike_for_cudnn`)."""
+  return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, mesh=None):
   """The jitted step; the incoming state's buffers are donated (updated in place).
 
-  mesh: None, or a ("data", "fsdp", "seq") mesh (`sharding.make_mesh` with seq > 1): the forward then runs
-  under context parallelism, and the gradients are constrained to the parameters' FSDP sharding so that the
-  sum over devices of the replicated parameters' gradients becomes a reduce-scatter.
+  mesh: None, or the `sharding.make_mesh` mesh the state and batches are sharded over: the model is traced
+  under it, and the gradients are constrained to the parameters' FSDP sharding so that the sum over devices of
+  the replicated parameters' gradients becomes a reduce-scatter. On a mesh with a "seq" axis (seq > 1) the
+  forward runs under context parallelism.
   """
+  context_parallel = mesh is not None and sharding.seq_size(mesh) > 1
 
   def loss_fn(params, rest, batch):
     model = nnx.merge(graphdef, params, rest)
-    if mesh is None:
-      logits = model(batch["inputs"])
-    else:
+    if context_parallel:
       logits = _context_parallel_logits(model, batch["inputs"], mesh)
+    else:
+      with _on_mesh(mesh):
+        logits = model(batch["inputs"])
     stats = _token_stats(logits, batch)
     loss = stats["nll"] / jnp.maximum(stats["weight"], 1.0)
     _, _, rest = nnx.split(model, nnx.Param, ...)
@@ -92,14 +101,16 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, mes
   return jax.jit(train_step, donate_argnums=0)
 
 
-def make_eval_step(graphdef):
-  """Sums of the eval statistics over one batch (summed again over batches on the host)."""
+def make_eval_step(graphdef, mesh=None):
+  """Sums of the eval statistics over one batch (summed again over batches on the host). mesh: as for
+  `make_train_step`; eval never uses context parallelism."""
 
   @jax.jit
   def eval_step(params, rest, batch):
     model = nnx.merge(graphdef, params, rest)
     model.eval()  # dropout off
-    return _token_stats(model(batch["inputs"]), batch)
+    with _on_mesh(mesh):
+      return _token_stats(model(batch["inputs"]), batch)
 
   return eval_step
 
