@@ -158,7 +158,7 @@ def _child(workdir):
     cfg = resolve(os.path.join(ROOT, "configs", "quickstart.py"), [
         f"workdir={os.path.join(workdir, name)}", "train.steps=6", "train.warmup_steps=1", "train.log_every=1",
         "train.eval_every=0", "train.checkpoint_every=1", "train.progress_bar=false", "data.batch_size=8",
-        "data.mqar.eval_examples=8", *overrides])
+        "data.mqar.eval_examples=8", "model.recurrent.method=recurrent", *overrides])
     train(cfg, log=lambda *a: None)
     with open(os.path.join(workdir, name, "metrics.jsonl")) as f:
       rows = [json.loads(line) for line in f]
