@@ -42,9 +42,11 @@ def compose(first, then, prec):
   return m, apply(m2, b1, prec) + b2
 
 
-def cumulative_maps(loc: intra_chunk.Local, prec):
-  """(Mc_n, Bc_n): the composition of chunks 0..n, for every n, by an associative scan along N."""
-  return jax.lax.associative_scan(functools.partial(compose, prec=prec), chunk_maps(loc, prec), axis=2)
+def cumulative_maps(loc: intra_chunk.Local, prec, *, remat_scan: bool = False):
+  """(Mc_n, Bc_n): the composition of chunks 0..n, for every n, by an associative scan along N. remat_scan:
+  the backward recomputes the scan's intermediates instead of keeping them."""
+  scan = functools.partial(jax.lax.associative_scan, functools.partial(compose, prec=prec), axis=2)
+  return (jax.checkpoint(scan) if remat_scan else scan)(chunk_maps(loc, prec))
 
 
 def states_from_maps(Mc, Bc, S0, prec):

@@ -139,13 +139,21 @@ def _check_supported(dims, method):
                      "beta [B, T, HV] or gdn.ops.gated_delta_rule on one device")
 
 
+# jax 0.11.2's Shardy partitioner crashes (segfault while compiling) on the gradient through a shard_map of an
+# associative scan that keeps its intermediates for the backward; the smallest case is
+# jax.grad(lambda x: shard_map(lambda x: lax.associative_scan(jnp.multiply, x, axis=1), ...)(x).sum()). Under
+# jax.checkpoint the scan's intermediates are recomputed in the backward instead of crossing the shard_map's
+# boundary, and it compiles. jax 0.10 compiles either way, so it keeps the intermediates.
+_REMAT_ASSOCIATIVE_SCAN = jax.__version_info__ >= (0, 11)
+
+
 def _slice(q, k, v, g, beta, initial_state, segment_ids, *, dims, axis_name, scale, method, chunk_size):
   """One device's part: its slice [B, L, ...] in, its outputs [B, L, HV, V] and the replicated final state out."""
   d, D = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
   loc, vc, bc, N, cdt, prec = chunk.prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
                                             chunk_size=chunk_size)
   if method == "associative":
-    Mc, Bc = associative.cumulative_maps(loc, prec)
+    Mc, Bc = associative.cumulative_maps(loc, prec, remat_scan=_REMAT_ASSOCIATIVE_SCAN)
     M, B = Mc[:, :, -1], Bc[:, :, -1]
   else:
     M, B = _slice_map_sequential(loc, bc, prec)
