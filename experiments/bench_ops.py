@@ -1,7 +1,8 @@
 """Op benchmark: recurrent vs chunk vs associative vs pallas (and a plain XLA port), forward and forward+backward.
 
 Prints a markdown table of median milliseconds and XLA's peak-memory estimate per variant, side by side in
-one run. Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head decay and beta (Gated DeltaNet).
+one run, and on a GPU the time as a percentage of the H200's roofline floor (`roofline`: FLOP and bytes written
+out). Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head decay and beta (Gated DeltaNet).
 
   python -m experiments.bench_ops --preset cpu
   python -m experiments.bench_ops --preset h200 --dtype bfloat16
@@ -35,6 +36,35 @@ PRESETS = {
     "memory": dict(shapes=[(1, 65536, 4, 64)], methods=["chunk", "chunk_remat", "associative", "pallas"]),
     "long": dict(shapes=[(1, 65536, 2, 64), (1, 262144, 1, 64)], methods=["chunk", "associative", "pallas"]),
 }
+
+
+# What one H200 did here (docs/benchmarks.md): an 8192^3 bf16 matrix product at about 790 TFLOP/s, a
+# device-to-device copy at about 4.3 TB/s (bytes read plus written).
+H200_PEAKS = dict(tflops=790.0, tbps=4.3)
+
+
+def roofline(shape, io_bytes: int = 2, chunk_size: int = 64) -> dict:
+  """The floor of the chunkwise gated delta rule on (B, T, H, D), K = V = D, per-head g and beta.
+
+  FLOP per chunk of C tokens and head: K K^T, Q K^T and W = T (beta K) at 2 C^2 K each; U = T (beta V) and
+  the intra-chunk P U at 2 C^2 V each; W S, Q S and the state update K^T U at 2 C K V each; the triangular
+  inverse 2 C^3 / 3. Forward + backward counts 3x the forward's FLOP (the backward's products are twice the
+  forward's). Bytes: the forward reads q, k, v and writes o; forward + backward also reads q, k, v, o's
+  cotangent and writes dq, dk, dv (11 tensors of B T H D in io_bytes; g, beta and the states not counted).
+  """
+  B, T, H, D = shape
+  C, K, V = chunk_size, D, D
+  per_chunk = 2 * C * C * (3 * K + 2 * V) + 6 * C * K * V + 2 * C**3 / 3
+  fwd_flop = per_chunk * (-(-T // C)) * B * H
+  tensor = B * T * H * D * io_bytes
+  return dict(fwd_flop=fwd_flop, fwd_bytes=4 * tensor, fb_flop=3 * fwd_flop, fb_bytes=11 * tensor)
+
+
+def floor_ms(shape, io_bytes=2, tflops=H200_PEAKS["tflops"], tbps=H200_PEAKS["tbps"]) -> tuple:
+  """(forward, forward + backward) floor in ms: max(FLOP / peak FLOP/s, bytes / peak bytes/s)."""
+  r = roofline(shape, io_bytes)
+  ms = lambda flop, nbytes: 1e3 * max(flop / (tflops * 1e12), nbytes / (tbps * 1e12))
+  return ms(r["fwd_flop"], r["fwd_bytes"]), ms(r["fb_flop"], r["fb_bytes"])
 
 
 def plain_port(q, k, v, g, beta, *, chunk_size=64):
@@ -150,8 +180,11 @@ def main(argv=None):
   dtype = jnp.dtype(a.dtype)
   print(f"# gated delta rule ops, {jax.devices()[0].device_kind}, jax {jax.__version__}, {a.dtype} inputs, "
         f"chunk 64, median of {a.reps}")
-  print("| B, T, H, D | method | fwd ms | fwd+bwd ms | fwd mem MiB | fwd+bwd mem MiB |")
-  print("|---|---|---|---|---|---|")
+  # The floor is the H200's: a percentage of it means something on that card (or one like it) only.
+  on_gpu = jax.default_backend() == "gpu"
+  print("| B, T, H, D | method | fwd ms | fwd+bwd ms | fwd mem MiB | fwd+bwd mem MiB |"
+        + (" fwd % of H200 floor | fwd+bwd % of H200 floor |" if on_gpu else ""))
+  print("|---|---|---|---|---|---|" + ("---|---|" if on_gpu else ""))
   shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else preset["shapes"]
   for shape in shapes:
     for method in methods:
@@ -161,8 +194,13 @@ def main(argv=None):
         print(f"| {shape} | {method} | failed: {type(e).__name__}: {str(e)[:80]} | | | |", flush=True)
         continue
       ms = lambda key: f"{r[key]:.2f}" if key in r else "-"
+      pct = ""
+      if on_gpu:
+        floors = floor_ms(shape, dtype.itemsize)
+        pct = "".join(f" {100 * f / r[key]:.0f}% |" if key in r else " - |"
+                      for f, key in zip(floors, ("fwd_ms", "fb_ms")))
       print(f"| {', '.join(map(str, shape))} | {method} | {ms('fwd_ms')} | {ms('fb_ms')} | "
-            f"{r['fwd_mem'] / 2**20:.0f} | {r['fb_mem'] / 2**20:.0f} |", flush=True)
+            f"{r['fwd_mem'] / 2**20:.0f} | {r['fb_mem'] / 2**20:.0f} |{pct}", flush=True)
 
 
 if __name__ == "__main__":

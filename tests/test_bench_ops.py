@@ -1,0 +1,29 @@
+"""experiments/bench_ops.py: its roofline floor and a tiny run of its table."""
+
+import pytest
+
+from experiments import bench_ops
+
+
+def test_roofline_of_the_largest_h200_shape():
+  # (4, 4096, 64, 128): about 1.9e11 FLOP and 1.07 GB of q, k, v, o in bf16 forward, a floor of about 0.25 ms on
+  # an H200 (790 TFLOP/s, 4.3 TB/s); the two bounds are nearly equal at this shape.
+  r = bench_ops.roofline((4, 4096, 64, 128))
+  assert r["fwd_flop"] == pytest.approx(1.918e11, rel=1e-3)
+  assert r["fwd_bytes"] == 4 * 4 * 4096 * 64 * 128 * 2
+  fwd, fb = bench_ops.floor_ms((4, 4096, 64, 128))
+  assert fwd == pytest.approx(1.07374e9 / 4.3e12 * 1e3, rel=1e-4)  # memory-bound, just
+  assert fb == pytest.approx(3 * 1.918e11 / 790e12 * 1e3, rel=1e-3)  # compute-bound: 3x the forward's FLOP
+  # A short sequence of small heads is bound by its bytes; the FLOP grow with T, the bytes too: per token the
+  # ratio is fixed, so doubling T doubles both floors.
+  one, two = bench_ops.floor_ms((1, 1024, 2, 64)), bench_ops.floor_ms((1, 2048, 2, 64))
+  assert two == pytest.approx(tuple(2 * x for x in one))
+
+
+def test_table_runs_on_cpu(capsys):
+  bench_ops.main(["--methods", "chunk", "associative", "--shapes", "1,128,2,16", "--reps", "1"])
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| 1, 128, 2, 16 |")]
+  assert [l.split("|")[2].strip() for l in lines] == ["chunk", "associative"]
+  for line in lines:
+    fwd, fb = (float(x) for x in line.split("|")[3:5])
+    assert 0 < fwd and 0 < fb
