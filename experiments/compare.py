@@ -14,7 +14,7 @@ import shlex
 import sys
 
 from gdn.sweep import expand, run_cells, write_report
-from gdn.train import ConfigError
+from gdn.train import ConfigError, compile_cache
 from gdn.train.config_file import apply_overrides, load, split_argv
 
 
@@ -52,6 +52,8 @@ def main(argv=None) -> int:
       print(c.id)
     return 0
   if not args.report:
+    if cells:
+      compile_cache.enable(cells[0].config.compilation_cache, cells[0].config.run_dir)
     run_cells(cells, shard, num_shards)
   try:
     paths = write_report(cells, out_dir, title=config.name)

@@ -11,7 +11,7 @@ import sys
 
 import jax
 
-from gdn.train import ConfigError, train
+from gdn.train import ConfigError, compile_cache, train
 from gdn.train.checkpoint import ConfigMismatch
 from gdn.train.config_file import resolve, split_argv
 
@@ -32,6 +32,7 @@ def main(argv=None) -> int:
   except ConfigError as e:
     print(f"error: {e}\n{USAGE}", file=sys.stderr)
     return 2
+  compile_cache.enable(cfg.compilation_cache, cfg.run_dir)
   try:
     summary = train(cfg)
   except (ConfigError, ConfigMismatch) as e:

@@ -94,6 +94,9 @@ class ExperimentConfig:
   name: str = "run"
   workdir: str = ""  # "" = runs/<name>
   seed: int = 0
+  # XLA's persistent compilation cache (gdn/train/compile_cache.py), set by gdn-train and gdn-compare:
+  # "auto" = .jax_cache beside the work directory (shared by a sweep's runs), "" = off, or a directory.
+  compilation_cache: str = "auto"
   model: ModelConfig = ModelConfig()
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
