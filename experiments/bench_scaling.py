@@ -158,7 +158,7 @@ def main(argv=None) -> list:
     # Made directly in its shards: no device ever holds the whole state unless the mesh says so.
     state = jax.jit(init_state, out_shardings=sharding.tree_shardings(abstract, mesh))()
     batch = sharding.shard_batch(host_batch, mesh)
-    train_step = step.make_train_step(graphdef, tx, optimizer.schedule(cfg.train), mesh=mesh)
+    train_step = step.make_train_step(graphdef, tx, optimizer.lr_shape(cfg.train), mesh=mesh)
     compiled = train_step.lower(state, batch).compile()
     mem = compiled.memory_analysis()
     est = None if mem is None else (mem.argument_size_in_bytes + mem.output_size_in_bytes

@@ -124,7 +124,7 @@ def _child(workdir):
   cfg = _config()
   task = make_task(cfg.data, cfg.seed, STEPS)
   batches = [task.train[i] for i in range(STEPS)]
-  tx, lr = optimizer.make_optimizer(cfg.train), optimizer.schedule(cfg.train)
+  tx, lr = optimizer.make_optimizer(cfg.train), optimizer.lr_shape(cfg.train)
   graphdef, _ = init(cfg.model, tx, cfg.seed)
 
   def run(mesh):

@@ -99,7 +99,7 @@ def _child(workdir):
   from gdn.train import sharding
   from gdn.train.checkpoint import Checkpoints
   from gdn.train.config import TrainConfig
-  from gdn.train.optimizer import make_optimizer, schedule
+  from gdn.train.optimizer import lr_shape, make_optimizer
   from gdn.train.step import init, make_train_step
 
   assert jax.device_count() == 8
@@ -113,7 +113,7 @@ def _child(workdir):
   batches = [dict(inputs=t[:, :-1], targets=t[:, 1:], weights=np.ones((8, 32), np.float32)) for t in tokens]
 
   graphdef, _ = init(model_cfg, tx, seed=0)
-  step = make_train_step(graphdef, tx, schedule(train_cfg))  # one jitted step for every run below
+  step = make_train_step(graphdef, tx, lr_shape(train_cfg))  # one jitted step for every run below
 
   def run(mesh, steps, state=None):
     state = init(model_cfg, tx, seed=0)[1] if state is None else state

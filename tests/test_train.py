@@ -11,7 +11,9 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from gdn.train import checkpoint, optimizer, step
@@ -156,3 +158,29 @@ def test_weight_decay_skips_decay_parameters_norms_and_embeddings():
       assert decays, name
   with_embeddings = named(optimizer.decay_mask(params, decay_embeddings=True))
   assert with_embeddings["embed/embedding/value"] and not mask["embed/embedding/value"]
+
+
+def test_optimizer_matches_plain_adamw():
+  """make_optimizer (peak rate in the state, the schedule's shape after AdamW) updates as optax.adamw with the
+  whole schedule does, clipping included."""
+  from gdn.train.config import TrainConfig
+
+  cfg = TrainConfig(steps=20, warmup_steps=3, learning_rate=3e-3, weight_decay=0.1, grad_clip=0.5)
+  params = {"w": jnp.ones((4, 3)), "A_log": jnp.zeros((3,))}
+  full = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps, cfg.steps,
+                                            cfg.learning_rate * cfg.min_lr_ratio)
+  ref = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                    optax.adamw(full, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                mask=optimizer.decay_mask))
+  tx = optimizer.make_optimizer(cfg)
+  p_ref, p, s_ref, s = params, params, ref.init(params), tx.init(params)
+  rng = np.random.default_rng(0)
+  for t in range(6):
+    g = {n: jnp.asarray(rng.normal(size=x.shape), jnp.float32) for n, x in params.items()}
+    u_ref, s_ref = ref.update(g, s_ref, p_ref)
+    u, s = tx.update(g, s, p)
+    p_ref, p = optax.apply_updates(p_ref, u_ref), optax.apply_updates(p, u)
+    for n in params:
+      np.testing.assert_allclose(np.asarray(p[n]), np.asarray(p_ref[n]), rtol=1e-6, atol=1e-7)
+  assert float(optimizer.peak_lr(s)) == pytest.approx(cfg.learning_rate)
+  assert float(optimizer.lr_shape(cfg)(cfg.warmup_steps)) == pytest.approx(1.0)

@@ -1,8 +1,8 @@
 """XLA's persistent compilation cache for runs and sweeps (`config.compilation_cache`).
 
-A sweep's cells share their compiled programs through it: cells that differ only in the seed compile nothing
-again, and cells that differ only in the learning rate compile only the train step (its schedule is a
-constant of the program). A resumed run compiles nothing again either.
+A sweep's cells share their compiled programs through it: cells that differ only in the seed or in AdamW's
+numbers (the learning rate among them: they live in the optimizer state, gdn/train/optimizer.py) compile
+nothing again, and neither does a resumed run.
 """
 
 from __future__ import annotations

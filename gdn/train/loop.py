@@ -69,7 +69,7 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
     raise ConfigError(f"config.model.vocab_size {cfg.model.vocab_size} is smaller than the vocabulary of task "
                       f"{task.name!r} ({task.vocab_size})")
   tx = optimizer.make_optimizer(tc)
-  lr = optimizer.schedule(tc)
+  lr = optimizer.lr_shape(tc)
   graphdef, state = step.init(cfg.model, tx, cfg.seed)
   n_params = step.num_params(state.params)
 

@@ -13,10 +13,11 @@ NO_DECAY_NAMES = ("A_log", "dt_bias")
 EMBEDDING_NAMES = ("embed", "embedding")
 
 
-def schedule(cfg: TrainConfig) -> optax.Schedule:
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps, decay_steps=cfg.steps,
-      end_value=cfg.learning_rate * cfg.min_lr_ratio)
+def lr_shape(cfg: TrainConfig) -> optax.Schedule:
+  """The learning rate over steps divided by its peak: linear warmup from 0 to 1 over `warmup_steps`, cosine
+  decay to `min_lr_ratio` at `steps`. The rate at step t is `cfg.learning_rate * lr_shape(cfg)(t)`."""
+  return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=1.0, warmup_steps=cfg.warmup_steps,
+                                            decay_steps=cfg.steps, end_value=cfg.min_lr_ratio)
 
 
 def _names(path) -> tuple:
@@ -40,8 +41,21 @@ def decay_mask(params, decay_embeddings: bool = False):
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-  adamw = optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                      mask=lambda params: decay_mask(params, cfg.decay_embeddings))
-  if cfg.grad_clip > 0:
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
-  return adamw
+  """Clipping, then AdamW at the peak learning rate, then the schedule's shape: -lr(t) (adam + wd p).
+
+  The peak rate and AdamW's other numbers live in the optimizer state (`optax.inject_hyperparams`), not in
+  the compiled train step, so the cells of a learning-rate grid share one program (and the persistent
+  compilation cache, gdn/train/compile_cache.py).
+  """
+  adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+      learning_rate=cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+      mask=lambda params: decay_mask(params, cfg.decay_embeddings))
+  parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
+  return optax.chain(*parts, adamw, optax.scale_by_schedule(lr_shape(cfg)))
+
+
+def peak_lr(opt_state):
+  """The peak learning rate held in a `make_optimizer` state."""
+  is_hp = lambda x: isinstance(x, tuple) and hasattr(x, "hyperparams")  # optax's inject_hyperparams state
+  (hp,) = [s for s in jax.tree_util.tree_leaves(opt_state, is_leaf=is_hp) if is_hp(s)]
+  return hp.hyperparams["learning_rate"]

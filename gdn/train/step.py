@@ -14,7 +14,7 @@ from flax import nnx
 from gdn.config import ModelConfig
 from gdn.model import LanguageModel
 from gdn.parallel import context_parallel_apply
-from gdn.train import sharding
+from gdn.train import optimizer, sharding
 from gdn.train.config import ConfigError
 
 
@@ -66,8 +66,9 @@ def _on_mesh(mesh):
   return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, mesh=None):
-  """The jitted step; the incoming state's buffers are donated (updated in place).
+def make_train_step(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=None):
+  """The jitted step; the incoming state's buffers are donated (updated in place). tx: `make_optimizer`'s;
+  lr_shape: `optimizer.lr_shape(cfg)`, for the logged rate (its peak is read from the optimizer state).
 
   mesh: None, or the `sharding.make_mesh` mesh the state and batches are sharded over: the model is traced
   under it, and the gradients are constrained to the parameters' FSDP sharding so that the sum over devices of
@@ -95,7 +96,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, lr_schedule, mes
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(loss=loss, accuracy=stats["correct"] / jnp.maximum(stats["weight"], 1.0),
-                   grad_norm=optax.global_norm(grads), lr=lr_schedule(state.step))
+                   grad_norm=optax.global_norm(grads),
+                   lr=lr_shape(state.step) * optimizer.peak_lr(state.opt_state))
     return TrainState(state.step + 1, params, rest, opt_state), metrics
 
   return jax.jit(train_step, donate_argnums=0)
