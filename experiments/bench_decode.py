@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from experiments.cli import apply_preset
 from gdn.config import AttentionConfig, ModelConfig, RecurrentConfig
 from gdn.layers import KVCache
 from gdn.memory import GiB, MiB, cache_bytes
@@ -148,11 +149,7 @@ def main(argv=None):
   p.add_argument("--mem-fraction", type=float, default=0.8,
                  help="skip a context when the cache would exceed this fraction of the device's memory limit")
   a = p.parse_args(argv)
-  for key, value in PRESETS[a.preset].items():
-    if getattr(a, key) is None:
-      setattr(a, key, value)
-  if isinstance(a.contexts, str):
-    a.contexts = [int(s.replace("_", "")) for s in a.contexts.split(",") if s.strip()]
+  apply_preset(a, PRESETS[a.preset], "contexts")
   patterns = [s.strip() for s in a.patterns.split(",") if s.strip()]
 
   limit = memory_stats().get("bytes_limit")

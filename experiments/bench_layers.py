@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from experiments.bench_ops import timed
+from experiments.cli import apply_preset
 from gdn.config import AttentionConfig, recurrent_preset
 from gdn.ops import checks
 from gdn.layers.attention import Attention
@@ -116,11 +117,7 @@ def parse_args(argv=None):
   p.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "cudnn"],
                  help="jax.nn.dot_product_attention's implementation (auto: cuDNN for 16-bit on a GPU)")
   a = p.parse_args(argv)
-  for key, value in PRESETS[a.preset].items():
-    if getattr(a, key) is None:
-      setattr(a, key, value)
-  if isinstance(a.lengths, str):
-    a.lengths = [int(s.replace("_", "")) for s in a.lengths.split(",") if s.strip()]
+  apply_preset(a, PRESETS[a.preset], "lengths")
   too_long = [T for T in a.lengths if T > a.tokens]
   if too_long:
     p.error(f"every length must be <= --tokens={a.tokens} (B = tokens // T), got {too_long}")

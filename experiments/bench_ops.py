@@ -38,8 +38,8 @@ PRESETS = {
 }
 
 
-# What one H200 did here (docs/benchmarks.md): an 8192^3 bf16 matrix product at about 790 TFLOP/s, a
-# device-to-device copy at about 4.3 TB/s (bytes read plus written).
+# The rates an H200 reaches (not measured by this script): an 8192^3 bf16 matrix product at about 790 TFLOP/s
+# and a device-to-device copy at about 4.3 TB/s (bytes read plus written), both through PyTorch on the card.
 H200_PEAKS = dict(tflops=790.0, tbps=4.3)
 
 
