@@ -9,6 +9,7 @@ out). Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head decay and beta 
   python -m experiments.bench_ops --preset memory      # forward+backward memory with and without remat
   python -m experiments.bench_ops --preset long        # many chunks, little batch: chunk vs associative
   python -m experiments.bench_ops --methods chunk pallas --shapes 1,512,2,64   # any methods and shapes
+  python -m experiments.bench_ops --breakdown --dtype bfloat16 --shapes 4,4096,64,128   # where pallas' time goes
 
 "pallas" is in the GPU presets only: on CPU its kernels run in Pallas' interpreter, which times nothing useful.
 """
@@ -23,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn.ops import checks
+from gdn.ops import checks, pallas_chunk
 from gdn.ops.api import _IMPLS
-from gdn.ops.chunk import chunk
+from gdn.ops.chunk import chunk, finish, initial, prepare
 
 PRESETS = {
     "cpu": dict(shapes=[(1, 512, 4, 64), (1, 2048, 4, 64), (1, 8192, 4, 64)],
@@ -143,7 +144,8 @@ def peak_bytes(jitted, args):
   return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
 
 
-def bench(shape, method, dtype, reps, skip_time=False):
+def inputs(shape, dtype):
+  """q, k (unit rows), v, g (log-decays in [log 0.9, 0]), beta in (0, 1): the arrays every row times."""
   B, T, H, D = shape
   rng = np.random.default_rng(0)
   k = rng.normal(size=(B, T, H, D)).astype(np.float32)
@@ -152,6 +154,12 @@ def bench(shape, method, dtype, reps, skip_time=False):
           jnp.asarray(rng.normal(size=(B, T, H, D)), dtype),
           jnp.asarray(np.log(rng.uniform(0.9, 1.0, (B, T, H))), dtype),
           jnp.asarray(rng.uniform(0, 1, (B, T, H)), dtype)]
+  return args, rng
+
+
+def bench(shape, method, dtype, reps, skip_time=False):
+  args, rng = inputs(shape, dtype)
+  B, T, H, D = shape
   dims = checks.check_sequence(*args, None, None, None, "chunk", 64)
   f = make_fn(method, dims)
   do = jnp.asarray(rng.normal(size=(B, T, H, D)), dtype)
@@ -167,6 +175,64 @@ def bench(shape, method, dtype, reps, skip_time=False):
   return row
 
 
+# The stages of method="pallas" as prefixes of it: each prefix's outputs are what the next stage reads.
+STAGES = ("prepare", "state pass", "finish")
+
+
+def pallas_prefixes(dims):
+  """Three functions of (q, k, v, g, beta): `pallas` cut after each of its stages. `prepare` is the XLA chunk-
+  local work (decays, A, its inverse, W, U, P), `state pass` the Pallas kernel (with its padding), `finish` the
+  XLA output (Q S_in + P U). The last returns the op's output, as `gated_delta_rule(method="pallas")`."""
+
+  def local(q, k, v, g, b):
+    return prepare(q, k, v, g, b, scale=dims.K**-0.5, segment_ids=None, dims=dims, chunk_size=64)
+
+  def stage1(*a):
+    loc = local(*a)[0]  # only the fields the later stages read, so that no dead work is timed
+    return loc.q_dec, loc.k_end, loc.decay, loc.P, loc.W, loc.U
+
+  def stage2(*a):
+    loc, _, _, _, cdt, prec = local(*a)
+    _, S_in, U = pallas_chunk.state_pass(loc, initial(None, dims, cdt), prec)
+    return loc.q_dec, loc.P, S_in, U
+
+  def stage3(*a):
+    loc, _, _, _, cdt, prec = local(*a)
+    _, S_in, U = pallas_chunk.state_pass(loc, initial(None, dims, cdt), prec)
+    return finish(loc, S_in, U, prec, dims, 64).astype(a[2].dtype)
+
+  return stage1, stage2, stage3
+
+
+def breakdown(shape, dtype, reps):
+  """Times `pallas` cut after each stage, forward and forward+backward (the backward of a prefix is taken
+  with fixed random cotangents for its outputs); a stage's cost is the difference of consecutive prefixes."""
+  args, rng = inputs(shape, dtype)
+  dims = checks.check_sequence(*args, None, None, None, "chunk", 64)
+  rows = []
+  for name, f in zip(STAGES, pallas_prefixes(dims)):
+    cts = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), s.dtype), jax.eval_shape(f, *args))
+
+    def fwd_bwd(cts, *a, f=f):  # the cotangents are arguments: closed over, they would be compiled in as constants
+      _, vjp = jax.vjp(f, *a)
+      return vjp(cts)
+
+    rows.append(dict(stage=name, fwd_ms=timed(jax.jit(f), args, reps),
+                     fb_ms=timed(jax.jit(fwd_bwd), [cts] + args, reps)))
+  return rows
+
+
+def print_breakdown(shapes, dtype, reps):
+  print("| B, T, H, D | up to stage | fwd ms | fwd+bwd ms | stage fwd ms | stage fwd+bwd ms |")
+  print("|---|---|---|---|---|---|")
+  for shape in shapes:
+    prev = dict(fwd_ms=0.0, fb_ms=0.0)
+    for r in breakdown(shape, dtype, reps):
+      print(f"| {', '.join(map(str, shape))} | {r['stage']} | {r['fwd_ms']:.2f} | {r['fb_ms']:.2f} | "
+            f"{r['fwd_ms'] - prev['fwd_ms']:.2f} | {r['fb_ms'] - prev['fb_ms']:.2f} |", flush=True)
+      prev = r
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -174,6 +240,8 @@ def main(argv=None):
   p.add_argument("--methods", nargs="*", help="override the preset's methods")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--shapes", nargs="*", help="override the preset's shapes, each as B,T,H,D")
+  p.add_argument("--breakdown", action="store_true",
+                 help="time method='pallas' cut after each of its stages (prepare, state pass, finish)")
   a = p.parse_args(argv)
   preset = PRESETS[a.preset]
   methods = a.methods or preset["methods"]
@@ -182,10 +250,12 @@ def main(argv=None):
         f"chunk 64, median of {a.reps}")
   # The floor is the H200's: a percentage of it means something on that card (or one like it) only.
   on_gpu = jax.default_backend() == "gpu"
+  shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else preset["shapes"]
+  if a.breakdown:
+    return print_breakdown(shapes, dtype, a.reps)
   print("| B, T, H, D | method | fwd ms | fwd+bwd ms | fwd mem MiB | fwd+bwd mem MiB |"
         + (" fwd % of H200 floor | fwd+bwd % of H200 floor |" if on_gpu else ""))
   print("|---|---|---|---|---|---|" + ("---|---|" if on_gpu else ""))
-  shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else preset["shapes"]
   for shape in shapes:
     for method in methods:
       try:

@@ -2,8 +2,9 @@
 
 Cells are models x settings x seeds x learning rates from the config's `sweep` section; results go to
 results/<config.name>/ (runs/, table.md, results.csv, best.csv, PNG plots). Finished cells are skipped and
-interrupted ones resume, so the command can simply be run again. `--shard i/n` runs every n-th cell from
-the i-th (one machine each); `--report` only writes the report from the runs present.
+interrupted ones resume, so the command can simply be run again. `--shard i/n` runs every n-th (model, setting)
+group of cells from the i-th (one machine or process each; a group's seeds and learning rates share compiled
+programs, so they stay on one shard); `--report` only writes the report from the runs present.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def main(argv=None) -> int:
   try:
     spec, overrides, rest = split_argv(argv)
     parser = argparse.ArgumentParser(prog="gdn-compare", description=__doc__.split("\n")[0])
-    parser.add_argument("--shard", default="0/1", help="i/n: run every n-th cell starting at the i-th")
+    parser.add_argument("--shard", default="0/1", help="i/n: run every n-th (model, setting) group of cells, starting at the i-th")
     parser.add_argument("--report", action="store_true", help="only write the report from finished runs")
     parser.add_argument("--list", action="store_true", help="list the cells and exit")
     args = parser.parse_args(rest)

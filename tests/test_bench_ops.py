@@ -27,3 +27,22 @@ def test_table_runs_on_cpu(capsys):
   for line in lines:
     fwd, fb = (float(x) for x in line.split("|")[3:5])
     assert 0 < fwd and 0 < fb
+
+
+def test_breakdown_prefixes_compose_the_pallas_method(capsys):
+  """The breakdown times `pallas` cut after each stage: its last prefix must be the op itself (here in Pallas'
+  interpreter), and the table prints one row per stage."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  from gdn.ops import checks, gated_delta_rule
+
+  shape = (1, 100, 2, 16)
+  args, _ = bench_ops.inputs(shape, jnp.float32)
+  dims = checks.check_sequence(*args, None, None, None, "chunk", 64)
+  *_, full = bench_ops.pallas_prefixes(dims)
+  want, _ = gated_delta_rule(*args, method="pallas", chunk_size=64)
+  np.testing.assert_allclose(np.asarray(full(*args)), np.asarray(want), rtol=1e-6, atol=1e-6)
+  bench_ops.main(["--breakdown", "--shapes", "1,64,1,16", "--reps", "1"])
+  rows = [l.split("|") for l in capsys.readouterr().out.splitlines() if l.startswith("| 1, 64, 1, 16 |")]
+  assert [r[2].strip() for r in rows] == list(bench_ops.STAGES)

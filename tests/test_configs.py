@@ -9,7 +9,7 @@ from flax import nnx
 
 from gdn.data import make_task
 from gdn.model import LanguageModel
-from gdn.sweep import expand
+from gdn.sweep import expand, shard_cells
 from gdn.train import ConfigError, from_dict
 from gdn.train.config_file import apply_overrides, base_config, load, resolve, split_argv
 
@@ -111,3 +111,16 @@ def test_sweep_models_do_not_inherit_the_base_models_switches():
   assert by_model["linear_attention"].recurrent.decay == "none" and by_model["linear_attention"].recurrent.beta == "none"
   assert by_model["kda"].recurrent.decay == "channel" and by_model["attention"].pattern == "A"
   assert by_model["hybrid_3to1"].pattern == "RRRA" and by_model["hybrid_3to1"].num_layers == 4
+
+
+def test_shards_keep_seed_and_learning_rate_siblings_together():
+  """--shard deals out (model, setting) groups, so the cells that share compiled programs run in one process;
+  the shards together hold every cell exactly once."""
+  cells = expand(load(os.path.join(ROOT, "configs", "state_tracking.py")), results="/nonexistent")
+  shards = [shard_cells(cells, i, 5) for i in range(5)]
+  assert sorted(c.id for s in shards for c in s) == sorted(c.id for c in cells)
+  owner = {c.id: i for i, s in enumerate(shards) for c in s}
+  for c in cells:  # 4 models x 3 tasks = 12 groups of 3 seeds x 3 learning rates
+    siblings = [d for d in cells if (d.model, d.setting) == (c.model, c.setting)]
+    assert len(siblings) == 9 and {owner[d.id] for d in siblings} == {owner[c.id]}
+  assert [len(s) for s in shards] == [27, 27, 18, 18, 18]

@@ -62,10 +62,20 @@ def done(cell: Cell) -> bool:
     return json.load(f).get("steps") == cell.config.train.last_step
 
 
+def shard_cells(cells, shard: int = 0, num_shards: int = 1) -> list:
+  """This shard's cells. Cells that differ only in the seed or the learning rate compile to the same programs,
+  so they stay together: the (model, setting) groups are dealt out in turn, and a shard runs its groups' cells
+  one after another, every cell after a group's first finding its programs in the compilation cache."""
+  groups = {}
+  for cell in cells:
+    groups.setdefault((cell.model, cell.setting), []).append(cell)
+  return [cell for group in list(groups.values())[shard::num_shards] for cell in group]
+
+
 def run_cells(cells, shard: int = 0, num_shards: int = 1, log=print) -> None:
-  """Trains this shard's cells (every num_shards-th from `shard`), skipping finished ones; an interrupted
-  cell resumes from its checkpoint."""
-  mine = cells[shard::num_shards]
+  """Trains this shard's cells (`shard_cells`), skipping finished ones; an interrupted cell resumes from its
+  checkpoint."""
+  mine = shard_cells(cells, shard, num_shards)
   for i, cell in enumerate(mine):
     if done(cell):
       log(f"[{i + 1}/{len(mine)}] {cell.id}: done already")

@@ -1,5 +1,6 @@
 """A sweep's report: the best learning rate per (model, setting, seed), a markdown table and a CSV of the
-mean over seeds, and PNG plots (the metric against a config value, loss curves)."""
+mean over seeds, the metric at every evaluation, and PNG plots (the metric against a config value, loss curves,
+eval curves)."""
 
 from __future__ import annotations
 
@@ -112,12 +113,33 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
         if rs:
           vals = [np.mean([r.get(f"eval/{sp}/{metric}", np.nan) for r in rs]) for sp in splits]
           lines.append(f"| {m} | {s} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+  history = {(r["model"], r["setting"]): _eval_history(r, metric) for r in best}
+  steps = sorted({step for h in history.values() for step in h})
+  if len(steps) > 1:  # the metric at every evaluation shows what a final number hides (e.g. overfitting)
+    lines += ["", f"`{metric}` at each evaluation (best learning rate, mean over seeds; the last column is the "
+              f"final value above unless a run stopped early):", "",
+              "| model | setting | " + " | ".join(f"step {t}" for t in steps) + " |", "|---" * (len(steps) + 2) + "|"]
+    for m in models:
+      for s in settings:
+        rs = [r for r in best if r["model"] == m and r["setting"] == s]
+        if rs:
+          hs = [_eval_history(r, metric) for r in rs]
+          vals = [np.mean([h.get(t, np.nan) for h in hs]) for t in steps]
+          lines.append(f"| {m} | {s} | " + " | ".join("–" if np.isnan(v) else f"{v:.3f}" for v in vals) + " |")
   paths["table.md"] = os.path.join(out_dir, "table.md")
   with open(paths["table.md"], "w") as f:
     f.write("\n".join(lines) + "\n")
 
   paths.update(_plots(best, models, settings, splits, metric, sweep.x_key, out_dir))
   return paths
+
+
+def _eval_history(row, metric: str) -> dict:
+  """step -> the run's eval `metric` at that step, from its metrics.jsonl."""
+  path = os.path.join(row["run_dir"], "metrics.jsonl")
+  if not os.path.exists(path):
+    return {}
+  return {r["step"]: r[f"eval/{metric}"] for r in read_jsonl(path) if f"eval/{metric}" in r}
 
 
 def _plots(best, models, settings, splits, metric, x_key, out_dir) -> dict:
@@ -150,23 +172,40 @@ def _plots(best, models, settings, splits, metric, x_key, out_dir) -> dict:
     fig.savefig(paths["metric_vs_x.png"], dpi=120)
     plt.close(fig)
 
-  fig, axes = plt.subplots(1, len(settings), figsize=(4 * len(settings), 3.4), squeeze=False)
-  for ax, s in zip(axes[0], settings):
+  def per_setting(name, ylabel, draw, log=False):
+    """One panel per setting, `draw(ax, setting)` plotting every model's curve into it."""
+    fig, axes = plt.subplots(1, len(settings), figsize=(4 * len(settings), 3.4), squeeze=False)
+    for ax, s in zip(axes[0], settings):
+      draw(ax, s)
+      ax.set_title(s)
+      ax.set_xlabel("step")
+      ax.set_ylabel(ylabel)
+      if log:
+        ax.set_yscale("log")
+      ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    paths[name] = os.path.join(out_dir, name)
+    fig.savefig(paths[name], dpi=120)
+    plt.close(fig)
+
+  def losses(ax, s):
     for m in models:
       rs = [r for r in best if r["model"] == m and r["setting"] == s]
-      if not rs:
-        continue
-      records = [x for x in read_jsonl(os.path.join(rs[0]["run_dir"], "metrics.jsonl")) if "train/loss" in x]
+      records = [x for x in read_jsonl(os.path.join(rs[0]["run_dir"], "metrics.jsonl")) if "train/loss" in x] \
+          if rs else []
       if records:
         ax.plot([x["step"] for x in records], [x["train/loss"] for x in records], label=m, lw=1)
-    ax.set_title(s)
-    ax.set_xlabel("step")
-    ax.set_ylabel("train loss")
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-  axes[0][-1].legend(fontsize=7)
-  fig.tight_layout()
-  paths["loss_curves.png"] = os.path.join(out_dir, "loss_curves.png")
-  fig.savefig(paths["loss_curves.png"], dpi=120)
-  plt.close(fig)
+
+  curves = {(r["model"], r["setting"]): _eval_history(r, metric) for r in best}
+
+  def evals(ax, s):
+    for m in models:
+      h = curves.get((m, s), {})
+      if h:
+        ax.plot(sorted(h), [h[t] for t in sorted(h)], marker="o", label=m, lw=1)
+
+  per_setting("loss_curves.png", "train loss", losses, log=True)
+  if any(len(h) > 1 for h in curves.values()):
+    per_setting("eval_curves.png", f"eval {metric}", evals)
   return paths
