@@ -83,6 +83,23 @@ def test_bfloat16_inputs():
   assert_close(run_pallas(x_bf), oracle(x_ref), 2e-2, "bf16 pallas")
 
 
+def test_operand_dtype_follows_the_callers_precision(monkeypatch):
+  """bfloat16 callers (DEFAULT precision) get bfloat16 kernel operands, float32 callers float32 ones; with
+  BF16_OPERANDS off, both get float32. The state leaving the pass is float32 either way."""
+  from gdn.ops.chunk import prepare
+  x = make_inputs(27, 1, 16, 1, 1, 16, 16, "head", "head")
+  args = [jnp.asarray(x[n], jnp.float32) for n in ("q", "k", "v", "g", "beta")]
+  dims = checks.check_sequence(*args, None, None, None, "pallas", 16)
+  loc = prepare(*args, scale=0.25, segment_ids=None, dims=dims, chunk_size=16)[0]
+  S0 = jnp.zeros((1, 1, 16, 16), jnp.float32)
+  for flag, prec, want in [(True, jax.lax.Precision.DEFAULT, jnp.bfloat16),
+                           (True, jax.lax.Precision.HIGHEST, jnp.float32),
+                           (False, jax.lax.Precision.DEFAULT, jnp.float32)]:
+    monkeypatch.setattr(pallas_chunk, "BF16_OPERANDS", flag)
+    S_T, S_in, U = pallas_chunk.state_pass(loc, S0, prec)
+    assert (S_in.dtype, U.dtype, S_T.dtype) == (want, want, jnp.float32), (flag, prec)
+
+
 def test_per_value_channel_beta_is_declined():
   x = make_inputs(24, 1, 8, 1, 1, 4, 4, "head", "channel")
   with pytest.raises(ValueError, match="pallas.*per-value-channel beta"):

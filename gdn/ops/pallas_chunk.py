@@ -17,6 +17,9 @@ Under a multi-device `jax.jit` each kernel call is a `custom_partitioning` op wh
 sharding of the batch and value-head axes and replicates the rest, so every device runs the same kernel on its
 own rows (XLA cannot split a kernel call itself and would gather the whole batch onto every device).
 
+For bfloat16 callers the arrays the kernels read and write (U0, W, k_end, S_in, U) are bfloat16 and each matmul
+rounds its state-side operand to bfloat16; the state and every accumulation are float32 (`BF16_OPERANDS`).
+
 The kernels use the Pallas Triton lowering on GPU (ref indexing, `lax.fori_loop`, `lax.dot_general`: nothing
 backend-specific in the kernel bodies) and Pallas' interpreter everywhere else; docs/ops.md says why.
 """
@@ -38,6 +41,10 @@ from gdn.ops import checks, intra_chunk
 from gdn.ops.chunk import finish, initial, prepare
 
 BLOCK_V = 64  # value channels per program: a [128, 64] float32 state is 64 registers a thread at 4 warps
+# bfloat16 callers (DEFAULT precision) get bfloat16 operands in HBM (U0, W, k_end, and the S_in and U the
+# forward writes): the forward state pass is bound by these bytes. The state and all accumulation stay float32.
+BF16_OPERANDS = True
+BWD_STAGES_BF16 = 2  # pipeline stages of the backward kernel on bfloat16 operands (float32 ones fit only one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +54,7 @@ class Config:
   block_v: int
   interpret: bool
   delta: bool  # False without the delta rule (no W): then U = U0 and the kernels skip its matmul
+  operands: str = "float32"  # dtype of U0, W, k_end, S_in and U in memory (the state is always float32)
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -66,13 +74,15 @@ def _forward_kernel(*refs, cfg: Config, N: int):
   else:
     u0_ref, kend_ref, decay_ref, s0_ref, s_in_ref, s_t_ref = refs
 
+  odt = jnp.dtype(cfg.operands)
+
   def body(n, S):
-    s_in_ref[n] = S
+    s_in_ref[n] = S.astype(s_in_ref.dtype)
     U = u0_ref[n].astype(jnp.float32)
     if cfg.delta:
-      U = U - _dot(w_ref[n], S, False, False, cfg.prec)  # [Cp, BV]
+      U = U - _dot(w_ref[n], S.astype(odt), False, False, cfg.prec)  # [Cp, BV]
       u_ref[n] = U.astype(u_ref.dtype)
-    kS = _dot(kend_ref[n], U, True, False, cfg.prec)  # k_end^T U: [Kp, BV]
+    kS = _dot(kend_ref[n], U.astype(odt), True, False, cfg.prec)  # k_end^T U: [Kp, BV]
     return decay_ref[n].astype(jnp.float32)[:, None] * S + kS
 
   S = jax.lax.fori_loop(0, N, body, s0_ref[...].astype(jnp.float32))
@@ -87,17 +97,21 @@ def _backward_kernel(*refs, cfg: Config, N: int):
     (kend_ref, decay_ref, s_in_ref, u_ref, ds_in_ref, du_ref, ds_t_ref,
      du0_ref, dkend_ref, ddecay_ref, ds0_ref) = refs
 
+  odt = jnp.dtype(cfg.operands)
+
   def body(i, dS):  # dS: the cotangent of the state leaving chunk n
     n = N - 1 - i
-    S = s_in_ref[n].astype(jnp.float32)
-    dU = du_ref[n].astype(jnp.float32) + _dot(kend_ref[n], dS, False, False, cfg.prec)  # [Cp, BV]
+    S = s_in_ref[n]
+    dS_op = dS.astype(odt)  # the matmul operand; dS itself stays float32
+    dU = du_ref[n].astype(jnp.float32) + _dot(kend_ref[n], dS_op, False, False, cfg.prec)  # [Cp, BV]
     du0_ref[n] = dU.astype(du0_ref.dtype)
-    dkend_ref[n] = _dot(u_ref[n], dS, False, True, cfg.prec).astype(dkend_ref.dtype)  # U dS^T: [Cp, Kp]
-    ddecay_ref[n] = jnp.sum(S * dS, axis=1).astype(ddecay_ref.dtype)
+    dkend_ref[n] = _dot(u_ref[n], dS_op, False, True, cfg.prec).astype(dkend_ref.dtype)  # U dS^T: [Cp, Kp]
+    ddecay_ref[n] = jnp.sum(S.astype(jnp.float32) * dS, axis=1).astype(ddecay_ref.dtype)
     dS_prev = decay_ref[n].astype(jnp.float32)[:, None] * dS + ds_in_ref[n].astype(jnp.float32)
     if cfg.delta:
-      dw_ref[n] = (-_dot(dU, S, False, True, cfg.prec)).astype(dw_ref.dtype)  # -dU S^T: [Cp, Kp]
-      dS_prev = dS_prev - _dot(w_ref[n], dU, True, False, cfg.prec)  # W^T dU
+      dU_op = dU.astype(odt)
+      dw_ref[n] = (-_dot(dU_op, S, False, True, cfg.prec)).astype(dw_ref.dtype)  # -dU S^T: [Cp, Kp]
+      dS_prev = dS_prev - _dot(w_ref[n], dU_op, True, False, cfg.prec)  # W^T dU
     return dS_prev
 
   dS = jax.lax.fori_loop(0, N, body, ds_t_ref[...].astype(jnp.float32))
@@ -129,9 +143,10 @@ def _forward_call(cfg: Config, U0, W, k_end, decay, S0):
   L, Kp, BV = B * HV, k_end.shape[-1], cfg.block_v
   per_v, per_k, dec, state, _, _ = _specs(L, N, Cp, Kp, BV)
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  op = lambda *s: jax.ShapeDtypeStruct(s, jnp.dtype(cfg.operands))
   ins = [U0] + ([W] if cfg.delta else []) + [k_end, decay, S0]
   in_specs = [per_v(Cp)] + ([per_k] if cfg.delta else []) + [per_k, dec, state]
-  outs = [f32(L, N, Kp, Vp)] + ([f32(L, N, Cp, Vp)] if cfg.delta else []) + [f32(L, Kp, Vp)]
+  outs = [op(L, N, Kp, Vp)] + ([op(L, N, Cp, Vp)] if cfg.delta else []) + [f32(L, Kp, Vp)]
   out_specs = [per_v(Kp)] + ([per_v(Cp)] if cfg.delta else []) + [state]
   # Two stages let Triton prefetch chunk n + 1's W, k_end and U0 while chunk n computes: about 200 KB of
   # shared memory at K = 128, C = BV = 64 (Triton 3.9, sm_90), under the H200's 227 KB; one stage beyond.
@@ -154,10 +169,13 @@ def _backward_call(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T):
   outs = ([f32(L, N, Cp, Vp)] + ([f32(L, NV, N, Cp, Kp)] if cfg.delta else [])
           + [f32(L, NV, N, Cp, Kp), f32(L, NV, N, Kp), f32(L, Kp, Vp)])
   out_specs = [per_v(Cp)] + ([part_k] if cfg.delta else []) + [part_k, part_decay, state]
-  # One stage: two would take about 256 KB of shared memory at K = 128, C = BV = 64, over the H200's 227 KB.
-  # Eight warps: the state and its cotangent both live in registers; at four the compiled kernel spilled.
+  # On float32 operands one stage: two would take about 256 KB of shared memory at K = 128, C = BV = 64, over
+  # the H200's 227 KB; bfloat16 operands halve that. Eight warps: the state and its cotangent both live in
+  # registers; at four the compiled kernel spilled.
+  small = Cp * Kp <= 64 * 128 and BV <= 64
+  stages = BWD_STAGES_BF16 if cfg.operands == "bfloat16" and small else 1
   res = _call(functools.partial(_backward_kernel, cfg=cfg, N=N), cfg, (L, NV), [_rows(x) for x in ins],
-              in_specs, outs, out_specs, "gdn_chunk_states_bwd", 8, 1)
+              in_specs, outs, out_specs, "gdn_chunk_states_bwd", 8, stages)
   # The K-side cotangents come per value block; their sum stays inside, so it runs on each device's rows too.
   dU0, *parts, dS0 = res
   return tuple(_unrows(r, B) for r in [dU0] + [p.sum(1) for p in parts] + [dS0])
@@ -244,8 +262,8 @@ def _backward(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _state_pass(cfg: Config, U0, W, k_end, decay, S0):
-  """(S_in [B, HV, N, Kp, Vp], U [B, HV, N, Cp, Vp], S_T [B, HV, Kp, Vp]) from padded float32 operands; W is
-  None without the delta rule."""
+  """(S_in [B, HV, N, Kp, Vp], U [B, HV, N, Cp, Vp], S_T [B, HV, Kp, Vp]) from padded operands (U0, W, k_end
+  in cfg.operands, decay and S0 float32); W is None without the delta rule."""
   return _forward(cfg, U0, W, k_end, decay, S0)
 
 
@@ -297,9 +315,9 @@ def state_pass(loc: intra_chunk.Local, S0, prec, *, block_v: int = BLOCK_V, inte
   Cp, Kp = _pow2(C), _pow2(K)
   BV = min(_pow2(block_v), _pow2(V))
   Vp = -(-V // BV) * BV
-  cdt = jnp.float32
+  operands = "bfloat16" if BF16_OPERANDS and prec == jax.lax.Precision.DEFAULT else "float32"
 
-  def pad(x, *target):
+  def pad(x, *target, cdt=jnp.dtype(operands)):
     """x in float32, zero-padded at the end of the trailing axes: zero rows of U0, W and k_end and zero
     rows/columns of S0 leave the valid part of the recurrence untouched. B and HV stay separate axes, so a
     batch-sharded caller's sharding reaches the kernel ops unchanged."""
@@ -309,9 +327,11 @@ def state_pass(loc: intra_chunk.Local, S0, prec, *, block_v: int = BLOCK_V, inte
 
   decay = jnp.broadcast_to(loc.decay, loc.decay.shape[:-1] + (K,))  # per-head decay: the same for every row
   interpret = default_interpret() if interpret is None else interpret
-  cfg = Config(prec=kernel_precision(prec, interpret), block_v=BV, interpret=interpret, delta=delta)
+  cfg = Config(prec=kernel_precision(prec, interpret), block_v=BV, interpret=interpret, delta=delta,
+               operands=operands)
+  f32 = functools.partial(pad, cdt=jnp.float32)
   S_in, U, S_T = _state_pass(cfg, pad(loc.U, Cp, Vp), pad(loc.W, Cp, Kp) if delta else None,
-                             pad(loc.k_end, Cp, Kp), pad(decay, Kp), pad(S0, Kp, Vp))
+                             pad(loc.k_end, Cp, Kp), f32(decay, Kp), f32(S0, Kp, Vp))
   return S_T[..., :K, :V], S_in[..., :K, :V], U[..., :C, :V]
 
 
