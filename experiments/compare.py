@@ -32,7 +32,8 @@ def main(argv=None) -> int:
   try:
     spec, overrides, rest = split_argv(argv)
     parser = argparse.ArgumentParser(prog="gdn-compare", description=__doc__.split("\n")[0])
-    parser.add_argument("--shard", default="0/1", help="i/n: run every n-th (model, setting) group of cells, starting at the i-th")
+    parser.add_argument("--shard", default="0/1",
+                        help="i/n: run every n-th (model, setting) group of cells, starting at the i-th")
     parser.add_argument("--report", action="store_true", help="only write the report from finished runs")
     parser.add_argument("--list", action="store_true", help="list the cells and exit")
     args = parser.parse_args(rest)

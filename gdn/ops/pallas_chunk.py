@@ -318,9 +318,10 @@ def state_pass(loc: intra_chunk.Local, S0, prec, *, block_v: int = BLOCK_V, inte
   operands = "bfloat16" if BF16_OPERANDS and prec == jax.lax.Precision.DEFAULT else "float32"
 
   def pad(x, *target, cdt=jnp.dtype(operands)):
-    """x in float32, zero-padded at the end of the trailing axes: zero rows of U0, W and k_end and zero
-    rows/columns of S0 leave the valid part of the recurrence untouched. B and HV stay separate axes, so a
-    batch-sharded caller's sharding reaches the kernel ops unchanged."""
+    """x in `cdt` (the kernels' operand dtype; float32 for the decays and S0), zero-padded at the end of the
+    trailing axes: zero rows of U0, W and k_end and zero rows/columns of S0 leave the valid part of the
+    recurrence untouched. B and HV stay separate axes, so a batch-sharded caller's sharding reaches the kernel
+    ops unchanged."""
     x = x.astype(cdt)
     return jnp.pad(x, [(0, 0)] * (x.ndim - len(target)) + [(0, t - s) for s, t in zip(x.shape[-len(target):],
                                                                                         target)])

@@ -113,8 +113,7 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
         if rs:
           vals = [np.mean([r.get(f"eval/{sp}/{metric}", np.nan) for r in rs]) for sp in splits]
           lines.append(f"| {m} | {s} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
-  history = {(r["model"], r["setting"]): _eval_history(r, metric) for r in best}
-  steps = sorted({step for h in history.values() for step in h})
+  steps = sorted({step for r in best for step in _eval_history(r, metric)})
   if len(steps) > 1:  # the metric at every evaluation shows what a final number hides (e.g. overfitting)
     lines += ["", f"`{metric}` at each evaluation (best learning rate, mean over seeds; the last column is the "
               f"final value above unless a run stopped early):", "",
