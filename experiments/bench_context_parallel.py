@@ -51,6 +51,7 @@ def main(argv=None):
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
   from gdn import ops
+  from gdn.bench.timing import compiled_bytes
 
   devices = jax.devices()
   D = args.devices or len(devices)
@@ -82,9 +83,8 @@ def main(argv=None):
   def measure(fn, x):
     """(median seconds, compiled MiB per device, allocator peak MiB or None)."""
     compiled = fn.lower(x).compile()
-    mem = compiled.memory_analysis()
-    est = None if mem is None else (mem.argument_size_in_bytes + mem.output_size_in_bytes
-                                    + mem.temp_size_in_bytes - mem.alias_size_in_bytes) / 2**20
+    est = compiled_bytes(compiled)
+    est = None if est is None else est / 2**20
     jax.block_until_ready(compiled(x))
     times = []
     for _ in range(args.repeats):

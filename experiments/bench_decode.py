@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from experiments.cli import apply_preset
+from gdn.bench.timing import device_memory_stats
 from gdn.config import AttentionConfig, ModelConfig, RecurrentConfig
 from gdn.layers import KVCache
 from gdn.memory import GiB, MiB, cache_bytes
@@ -86,13 +87,6 @@ def nbytes(tree) -> int:
   return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
-def memory_stats():
-  try:
-    return jax.devices()[0].memory_stats() or {}
-  except Exception:  # backends without allocator statistics
-    return {}
-
-
 def bench(model, context: int, a) -> dict:
   graphdef, state = nnx.split(model)
   steps = a.steps
@@ -123,7 +117,7 @@ def bench(model, context: int, a) -> dict:
     tok, cache = jax.block_until_ready(compiled(state, cache, tok))
     times.append(time.perf_counter() - t0)
   row["ms"] = 1e3 * statistics.median(times) / steps
-  stats = memory_stats()
+  stats = device_memory_stats()
   row["in_use"], row["peak"] = stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
   del cache
   return row
@@ -152,7 +146,7 @@ def main(argv=None):
   apply_preset(a, PRESETS[a.preset], "contexts")
   patterns = [s.strip() for s in a.patterns.split(",") if s.strip()]
 
-  limit = memory_stats().get("bytes_limit")
+  limit = device_memory_stats().get("bytes_limit")
   results = {}
   # Patterns in order of growing cache, contexts ascending: each row's device peak then is its own, unless it
   # stays below an earlier row's (marked "<=").

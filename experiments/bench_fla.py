@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from experiments.bench_ops import PRESETS
+from gdn.bench.op_inputs import PRESETS
 
 
 def main(argv=None):

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from experiments.bench_ops import timed
 from experiments.cli import apply_preset
+from gdn.bench.timing import compiled_bytes, timed
 from gdn.config import AttentionConfig, recurrent_preset
 from gdn.ops import checks
 from gdn.layers.attention import Attention
@@ -70,13 +70,6 @@ def fwd_bwd(graphdef):
   return jax.jit(jax.grad(loss, argnums=(0, 2)))
 
 
-def xla_bytes(compiled):
-  m = compiled.memory_analysis()
-  if m is None:  # backends without an estimate
-    return None
-  return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-
-
 def is_oom(e: Exception) -> bool:
   text = str(e)
   return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
@@ -86,7 +79,7 @@ def bench(fn, params, rest, x, reps: int) -> dict:
   """ms and mem of one layer at one shape, or the failure: "OOM" when it does not fit."""
   try:
     compiled = fn.lower(params, rest, x).compile()
-    row = dict(mem=xla_bytes(compiled))
+    row = dict(mem=compiled_bytes(compiled))
     row["ms"] = timed(compiled, (params, rest, x), reps)
     return row
   except Exception as e:  # report and go on: a length that does not fit must not hide the others

@@ -17,96 +17,16 @@ out). Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head decay and beta 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from gdn.ops import checks, pallas_chunk
-from gdn.ops.api import _IMPLS
-from gdn.ops.chunk import chunk, finish, initial, prepare
-
-PRESETS = {
-    "cpu": dict(shapes=[(1, 512, 4, 64), (1, 2048, 4, 64), (1, 8192, 4, 64)],
-                methods=["recurrent", "plain_port", "chunk", "associative"]),
-    "h200": dict(shapes=[(4, 2048, 16, 128), (2, 16384, 16, 128), (1, 8192, 96, 128), (4, 4096, 64, 128),
-                         (8, 1024, 8, 64)],
-                 methods=["plain_port", "chunk", "associative", "pallas"]),
-    "memory": dict(shapes=[(1, 65536, 4, 64)], methods=["chunk", "chunk_remat", "associative", "pallas"]),
-    "long": dict(shapes=[(1, 65536, 2, 64), (1, 262144, 1, 64)], methods=["chunk", "associative", "pallas"]),
-}
-
-
-# The rates an H200 reaches (not measured by this script): an 8192^3 bf16 matrix product at about 790 TFLOP/s
-# and a device-to-device copy at about 4.3 TB/s (bytes read plus written), both through PyTorch on the card.
-H200_PEAKS = dict(tflops=790.0, tbps=4.3)
-
-
-def roofline(shape, io_bytes: int = 2, chunk_size: int = 64) -> dict:
-  """The floor of the chunkwise gated delta rule on (B, T, H, D), K = V = D, per-head g and beta.
-
-  FLOP per chunk of C tokens and head: K K^T, Q K^T and W = T (beta K) at 2 C^2 K each; U = T (beta V) and
-  the intra-chunk P U at 2 C^2 V each; W S, Q S and the state update K^T U at 2 C K V each; the triangular
-  inverse 2 C^3 / 3. Forward + backward counts 3x the forward's FLOP (the backward's products are twice the
-  forward's). Bytes: the forward reads q, k, v and writes o; forward + backward also reads q, k, v, o's
-  cotangent and writes dq, dk, dv (11 tensors of B T H D in io_bytes; g, beta and the states not counted).
-  """
-  B, T, H, D = shape
-  C, K, V = chunk_size, D, D
-  per_chunk = 2 * C * C * (3 * K + 2 * V) + 6 * C * K * V + 2 * C**3 / 3
-  fwd_flop = per_chunk * (-(-T // C)) * B * H
-  tensor = B * T * H * D * io_bytes
-  return dict(fwd_flop=fwd_flop, fwd_bytes=4 * tensor, fb_flop=3 * fwd_flop, fb_bytes=11 * tensor)
-
-
-def floor_ms(shape, io_bytes=2, tflops=H200_PEAKS["tflops"], tbps=H200_PEAKS["tbps"]) -> tuple:
-  """(forward, forward + backward) floor in ms: max(FLOP / peak FLOP/s, bytes / peak bytes/s)."""
-  r = roofline(shape, io_bytes)
-  ms = lambda flop, nbytes: 1e3 * max(flop / (tflops * 1e12), nbytes / (tbps * 1e12))
-  return ms(r["fwd_flop"], r["fwd_bytes"]), ms(r["fb_flop"], r["fb_bytes"])
-
-
-def plain_port(q, k, v, g, beta, *, chunk_size=64):
-  """The baseline: how straightforward JAX ports write it. Per chunk, inside `lax.scan`: the masked
-  triangular system by an explicit triangular solve, intra-chunk attention, state update; autodiff
-  through everything (no rematerialisation). Per-head g and beta only. Shapes as `gated_delta_rule`."""
-  B, T, H, K = q.shape
-  V = v.shape[-1]
-  C = chunk_size
-  N = T // C
-  f32 = lambda x: x.astype(jnp.float32)
-  q, k, v, g, beta = f32(q) * K**-0.5, f32(k), f32(v), f32(g), f32(beta)
-  to_chunks = lambda x: jnp.moveaxis(x.reshape((B, N, C) + x.shape[2:]), 1, 0)  # [N, B, C, H, ...]
-  eye = jnp.eye(C, dtype=jnp.float32)
-  lower = jnp.tril(jnp.ones((C, C), bool), -1)
-  incl = jnp.tril(jnp.ones((C, C), bool))
-
-  def body(S, xs):
-    qc, kc, vc, gc, bc = xs  # [B, C, H, ...]
-    gam = jnp.cumsum(gc, axis=1)  # [B, C, H]
-    diff = gam[:, :, None, :] - gam[:, None, :, :]  # [B, C, C, H]
-    decay = jnp.exp(jnp.where(incl[None, :, :, None], diff, -jnp.inf))
-    kk = jnp.einsum("bthk,bihk->btih", kc, kc) * decay
-    A = eye[None, :, :, None] + jnp.where(lower[None, :, :, None], kk * bc[:, :, None, :], 0.0)
-    A = jnp.moveaxis(A, -1, 1)  # [B, H, C, C]
-    rhs_w = jnp.moveaxis(kc * (bc * jnp.exp(gam))[..., None], 2, 1)
-    rhs_u = jnp.moveaxis(vc * bc[..., None], 2, 1)
-    w = jax.scipy.linalg.solve_triangular(A, rhs_w, lower=True)
-    u = jax.scipy.linalg.solve_triangular(A, rhs_u, lower=True)
-    u = u - jnp.einsum("bhck,bhkv->bhcv", w, S)
-    qk = jnp.moveaxis(jnp.einsum("bthk,bihk->btih", qc, kc) * decay, -1, 1)
-    qg = jnp.moveaxis(qc * jnp.exp(gam)[..., None], 2, 1)
-    o = jnp.einsum("bhck,bhkv->bhcv", qg, S) + jnp.einsum("bhti,bhiv->bhtv", qk, u)
-    gam_h = jnp.moveaxis(gam, -1, 1)  # [B, H, C]
-    k_end = jnp.moveaxis(kc, 2, 1) * jnp.exp(gam_h[..., -1:] - gam_h)[..., None]
-    S = S * jnp.exp(gam_h[..., -1])[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", k_end, u)
-    return S, jnp.moveaxis(o, 1, 2)
-
-  S0 = jnp.zeros((B, H, K, V), jnp.float32)
-  S, o = jax.lax.scan(body, S0, tuple(map(to_chunks, (q, k, v, g, beta))))
-  return jnp.moveaxis(o, 0, 1).reshape(B, T, H, V), S
+from gdn.bench.op_inputs import PRESETS, inputs
+from gdn.bench.plain_port import plain_port
+from gdn.bench.roofline import floor_ms
+from gdn.bench.timing import peak_bytes, timed
+from gdn.ops import checks, gated_delta_rule, stages
+from gdn.ops.chunk import chunk
 
 
 def make_fn(method, dims):
@@ -114,47 +34,16 @@ def make_fn(method, dims):
   "chunk_blocked" (the triangular solver forced)."""
   if method == "plain_port":
     return lambda q, k, v, g, b: plain_port(q, k, v, g, b)[0].astype(v.dtype)
-  impl, kw = _IMPLS.get(method), {}
-  if method.startswith("chunk_"):
-    impl, variant = chunk, method[len("chunk_"):]
-    kw = dict(remat=True) if variant == "remat" else dict(solver=variant)
+  if not method.startswith("chunk_"):
+    return lambda q, k, v, g, b: gated_delta_rule(q, k, v, g, b, method=method, chunk_size=64)[0]
+  variant = method[len("chunk_"):]
+  kw = dict(remat=True) if variant == "remat" else dict(solver=variant)
 
   def f(q, k, v, g, b):
-    return impl(q, k, v, g, b, scale=dims.K**-0.5, initial_state=None, segment_ids=None, dims=dims,
-                chunk_size=64, **kw)[0].astype(v.dtype)
+    return chunk(q, k, v, g, b, scale=dims.K**-0.5, initial_state=None, segment_ids=None, dims=dims,
+                 chunk_size=64, **kw)[0].astype(v.dtype)
 
   return f
-
-
-def timed(fn, args, reps):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(1e3 * (time.perf_counter() - t0))
-  return statistics.median(times)
-
-
-def peak_bytes(jitted, args):
-  """XLA's buffer assignment: arguments + outputs + temporaries of the compiled program."""
-  m = jitted.lower(*args).compile().memory_analysis()
-  if m is None:
-    return float("nan")
-  return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-
-
-def inputs(shape, dtype):
-  """q, k (unit rows), v, g (log-decays in [log 0.9, 0]), beta in (0, 1): the arrays every row times."""
-  B, T, H, D = shape
-  rng = np.random.default_rng(0)
-  k = rng.normal(size=(B, T, H, D)).astype(np.float32)
-  k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  args = [jnp.asarray(rng.normal(size=(B, T, H, D)), dtype), jnp.asarray(k, dtype),
-          jnp.asarray(rng.normal(size=(B, T, H, D)), dtype),
-          jnp.asarray(np.log(rng.uniform(0.9, 1.0, (B, T, H))), dtype),
-          jnp.asarray(rng.uniform(0, 1, (B, T, H)), dtype)]
-  return args, rng
 
 
 def bench(shape, method, dtype, reps, skip_time=False):
@@ -179,27 +68,24 @@ def bench(shape, method, dtype, reps, skip_time=False):
 STAGES = ("prepare", "state pass", "finish")
 
 
-def pallas_prefixes(dims):
-  """Three functions of (q, k, v, g, beta): `pallas` cut after each of its stages. `prepare` is the XLA chunk-
-  local work (decays, A, its inverse, W, U, P), `state pass` the Pallas kernel (with its padding), `finish` the
-  XLA output (Q S_in + P U). The last returns the op's output, as `gated_delta_rule(method="pallas")`."""
-
-  def local(q, k, v, g, b):
-    return prepare(q, k, v, g, b, scale=dims.K**-0.5, segment_ids=None, dims=dims, chunk_size=64)
+def pallas_prefixes():
+  """Three functions of (q, k, v, g, beta): `pallas` cut after each of its stages (`gdn.ops.stages`). `prepare` is
+  the XLA chunk-local work (decays, A, its inverse, W, U, P), `state pass` the Pallas kernel (with its padding),
+  `finish` the XLA output (Q S_in + P U). The last returns the op's output, as `gated_delta_rule(method="pallas")`."""
 
   def stage1(*a):
-    loc = local(*a)[0]  # only the fields the later stages read, so that no dead work is timed
+    loc = stages.prepare(*a).local  # only the fields the later stages read, so that no dead work is timed
     return loc.q_dec, loc.k_end, loc.decay, loc.P, loc.W, loc.U
 
   def stage2(*a):
-    loc, _, _, _, cdt, prec = local(*a)
-    _, S_in, U = pallas_chunk.state_pass(loc, initial(None, dims, cdt), prec)
-    return loc.q_dec, loc.P, S_in, U
+    p = stages.prepare(*a)
+    _, S_in, U = stages.state_pass(p, method="pallas")
+    return p.local.q_dec, p.local.P, S_in, U
 
   def stage3(*a):
-    loc, _, _, _, cdt, prec = local(*a)
-    _, S_in, U = pallas_chunk.state_pass(loc, initial(None, dims, cdt), prec)
-    return finish(loc, S_in, U, prec, dims, 64).astype(a[2].dtype)
+    p = stages.prepare(*a)
+    _, S_in, U = stages.state_pass(p, method="pallas")
+    return stages.finish(p, S_in, U).astype(a[2].dtype)
 
   return stage1, stage2, stage3
 
@@ -208,9 +94,8 @@ def breakdown(shape, dtype, reps):
   """Times `pallas` cut after each stage, forward and forward+backward (the backward of a prefix is taken
   with fixed random cotangents for its outputs); a stage's cost is the difference of consecutive prefixes."""
   args, rng = inputs(shape, dtype)
-  dims = checks.check_sequence(*args, None, None, None, "chunk", 64)
   rows = []
-  for name, f in zip(STAGES, pallas_prefixes(dims)):
+  for name, f in zip(STAGES, pallas_prefixes()):
     cts = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), s.dtype), jax.eval_shape(f, *args))
 
     def fwd_bwd(cts, *a, f=f):  # the cotangents are arguments: closed over, they would be compiled in as constants

@@ -1,22 +1,23 @@
-"""experiments/bench_ops.py: its roofline floor and a tiny run of its table."""
+"""experiments/bench_ops.py and the helpers it shares (gdn.bench): the roofline floor and a tiny run of its table."""
 
 import pytest
 
 from experiments import bench_ops
+from gdn.bench import op_inputs, roofline
 
 
 def test_roofline_of_the_largest_h200_shape():
   # (4, 4096, 64, 128): about 1.9e11 FLOP and 1.07 GB of q, k, v, o in bf16 forward, a floor of about 0.25 ms on
   # an H200 (790 TFLOP/s, 4.3 TB/s); the two bounds are nearly equal at this shape.
-  r = bench_ops.roofline((4, 4096, 64, 128))
+  r = roofline.roofline((4, 4096, 64, 128))
   assert r["fwd_flop"] == pytest.approx(1.918e11, rel=1e-3)
   assert r["fwd_bytes"] == 4 * 4 * 4096 * 64 * 128 * 2
-  fwd, fb = bench_ops.floor_ms((4, 4096, 64, 128))
+  fwd, fb = roofline.floor_ms((4, 4096, 64, 128))
   assert fwd == pytest.approx(1.07374e9 / 4.3e12 * 1e3, rel=1e-4)  # memory-bound, just
   assert fb == pytest.approx(3 * 1.918e11 / 790e12 * 1e3, rel=1e-3)  # compute-bound: 3x the forward's FLOP
   # A short sequence of small heads is bound by its bytes; the FLOP grow with T, the bytes too: per token the
   # ratio is fixed, so doubling T doubles both floors.
-  one, two = bench_ops.floor_ms((1, 1024, 2, 64)), bench_ops.floor_ms((1, 2048, 2, 64))
+  one, two = roofline.floor_ms((1, 1024, 2, 64)), roofline.floor_ms((1, 2048, 2, 64))
   assert two == pytest.approx(tuple(2 * x for x in one))
 
 
@@ -35,12 +36,11 @@ def test_breakdown_prefixes_compose_the_pallas_method(capsys):
   import jax.numpy as jnp
   import numpy as np
 
-  from gdn.ops import checks, gated_delta_rule
+  from gdn.ops import gated_delta_rule
 
   shape = (1, 100, 2, 16)
-  args, _ = bench_ops.inputs(shape, jnp.float32)
-  dims = checks.check_sequence(*args, None, None, None, "chunk", 64)
-  *_, full = bench_ops.pallas_prefixes(dims)
+  args, _ = op_inputs.inputs(shape, jnp.float32)
+  *_, full = bench_ops.pallas_prefixes()
   want, _ = gated_delta_rule(*args, method="pallas", chunk_size=64)
   np.testing.assert_allclose(np.asarray(full(*args)), np.asarray(want), rtol=1e-6, atol=1e-6)
   bench_ops.main(["--breakdown", "--shapes", "1,64,1,16", "--reps", "1"])

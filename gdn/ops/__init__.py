@@ -1,4 +1,4 @@
-"""The gated delta rule as pure functions of arrays (no Flax)."""
+"""The gated delta rule as pure functions of arrays (no Flax). `gdn.ops.stages`: the chunk pipeline's public stages."""
 
 from gdn.ops.api import gated_delta_rule
 from gdn.ops.context_parallel import context_parallel_gated_delta_rule

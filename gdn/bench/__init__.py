@@ -1,0 +1,2 @@
+"""Benchmark helpers that the scripts in `experiments/` share: timing and memory (`timing`), the op's roofline
+floor (`roofline`), the op benchmark's shapes and inputs (`op_inputs`), and the plain-port baseline (`plain_port`)."""

@@ -1,0 +1,29 @@
+"""The op benchmark's shape presets and its inputs: (B, T, H, D) with H = HV heads, K = V = D, per-head g and beta."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+PRESETS = {  # shapes and the methods timed on them
+    "cpu": dict(shapes=[(1, 512, 4, 64), (1, 2048, 4, 64), (1, 8192, 4, 64)],
+                methods=["recurrent", "plain_port", "chunk", "associative"]),
+    "h200": dict(shapes=[(4, 2048, 16, 128), (2, 16384, 16, 128), (1, 8192, 96, 128), (4, 4096, 64, 128),
+                         (8, 1024, 8, 64)],
+                 methods=["plain_port", "chunk", "associative", "pallas"]),
+    "memory": dict(shapes=[(1, 65536, 4, 64)], methods=["chunk", "chunk_remat", "associative", "pallas"]),
+    "long": dict(shapes=[(1, 65536, 2, 64), (1, 262144, 1, 64)], methods=["chunk", "associative", "pallas"]),
+}
+
+
+def inputs(shape, dtype):
+  """q, k (unit rows), v, g (log-decays in [log 0.9, 0]), beta in (0, 1): the arrays every row times."""
+  B, T, H, D = shape
+  rng = np.random.default_rng(0)
+  k = rng.normal(size=(B, T, H, D)).astype(np.float32)
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  args = [jnp.asarray(rng.normal(size=(B, T, H, D)), dtype), jnp.asarray(k, dtype),
+          jnp.asarray(rng.normal(size=(B, T, H, D)), dtype),
+          jnp.asarray(np.log(rng.uniform(0.9, 1.0, (B, T, H))), dtype),
+          jnp.asarray(rng.uniform(0, 1, (B, T, H)), dtype)]
+  return args, rng
