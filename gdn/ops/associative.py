@@ -20,7 +20,7 @@ from gdn.ops.chunk import STATES, finish, initial, prepare, write_vectors
 def chunk_maps(loc: intra_chunk.Local, prec):
   """Per-chunk maps (M_n, B_n): M_n [B, HV, N, K, K], or without the delta rule (W is None) only its
   diagonal [B, HV, N, 1 or K], which keeps the scan (and a context-parallel all-gather) K times smaller."""
-  dot = lambda spec, *xs: jnp.einsum(spec, *xs, precision=prec)
+  dot = lambda spec, *xs: intra_chunk.mm(spec, *xs, precision=prec)
   Bn = dot("...ck,...cv->...kv", loc.k_end, loc.U)
   if loc.W is None:
     return loc.decay, Bn
@@ -32,7 +32,7 @@ def apply(M, X, prec):
   """M X for a full M [.., K, K], or for a diagonal M [.., 1 or K] (one axis fewer than X [.., K, V])."""
   if M.ndim < X.ndim:
     return M[..., None] * X
-  return jnp.einsum("...ij,...jv->...iv", M, X, precision=prec)
+  return intra_chunk.mm("...ij,...jv->...iv", M, X, precision=prec)
 
 
 def compose(first, then, prec):

@@ -13,6 +13,9 @@ from gdn.ops import checks, intra_chunk
 from gdn.ops.recurrent import expand_heads, reset_flags
 
 STATES = "gdn_chunk_states"  # checkpoint name of the per-chunk entering states: all the backward keeps
+# 16-bit callers get 16-bit chunk-local operands (q, k, v in, and q_dec, k_dec, k_end, P, W, U out; products
+# accumulate in float32, decays, gates, the triangular inverse and the state stay float32). False: float32 throughout.
+BF16_LOCAL = True
 
 
 def compute_dtype(dtype):
@@ -23,6 +26,13 @@ def compute_dtype(dtype):
 def precision_for(dtype):
   """Full-precision matmuls for float32 inputs; a caller who passes bfloat16 accepts its matmul precision."""
   return jax.lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else jax.lax.Precision.DEFAULT
+
+
+def operand_dtype(dtype):
+  """The chunk-local operands' dtype for inputs of `dtype` (see BF16_LOCAL)."""
+  if BF16_LOCAL and jnp.dtype(dtype).itemsize < 4:
+    return jnp.dtype(dtype)
+  return compute_dtype(dtype)
 
 
 def _to_chunks(x, N, C, T):
@@ -58,10 +68,11 @@ def prepare(q, k, v, g, beta, *, scale, segment_ids, dims: checks.Dims, chunk_si
   N = -(-T // C)
   cdt = compute_dtype(v.dtype)
   prec = precision_for(jnp.result_type(q, k, v))
+  odt = operand_dtype(jnp.result_type(q, k, v))
   cast = lambda x: None if x is None else x.astype(cdt)
-  qc = _to_chunks(expand_heads(cast(q) * scale, HV, 2), N, C, T)
-  kc = _to_chunks(expand_heads(cast(k), HV, 2), N, C, T)
-  vc = _to_chunks(cast(v), N, C, T)
+  qc = _to_chunks(expand_heads((cast(q) * scale).astype(odt), HV, 2), N, C, T)
+  kc = _to_chunks(expand_heads(k.astype(odt), HV, 2), N, C, T)
+  vc = _to_chunks(v.astype(odt), N, C, T)
   gc = _to_chunks(cast(g), N, C, T)
   bc = _to_chunks(cast(beta), N, C, T)
   masks = _segment_masks(segment_ids, B, T, N, C)
@@ -81,13 +92,13 @@ def write_vectors(loc: intra_chunk.Local, S_in, beta_c, prec):
   if loc.A is None:
     return loc.U
   if loc.W is not None:
-    return loc.U - jnp.einsum("...ck,...kv->...cv", loc.W, S_in, precision=prec)
+    return loc.U - intra_chunk.mm("...ck,...kv->...cv", loc.W, S_in, precision=prec)
   return _solve_channel_beta(loc.A, beta_c, loc.U, loc.k_dec, S_in, prec)
 
 
 def _solve_channel_beta(A, beta_c, v, k_dec, S_in, prec):
   """Per-value-channel beta: one triangular system (I + Diag(beta_j) A) per value channel j."""
-  rhs = beta_c * (v - jnp.einsum("...ck,...kv->...cv", k_dec, S_in, precision=prec))  # [.., C, V]
+  rhs = beta_c * (v - intra_chunk.mm("...ck,...kv->...cv", k_dec, S_in, precision=prec))  # [.., C, V]
   L = jnp.moveaxis(beta_c, -1, -2)[..., :, :, None] * A[..., None, :, :]  # [.., V, C, C]
   x = intra_chunk.solve_unit_lower(L, jnp.moveaxis(rhs, -1, -2)[..., None])  # [.., V, C, 1]
   return jnp.moveaxis(x[..., 0], -2, -1)
@@ -95,7 +106,7 @@ def _solve_channel_beta(A, beta_c, v, k_dec, S_in, prec):
 
 def next_state(loc_n, S, U, prec):
   """S_C = Diag(e^{gamma_C}) S + K_end^T U for one chunk (arrays without the N axis)."""
-  return loc_n.decay[..., None] * S + jnp.einsum("...ck,...cv->...kv", loc_n.k_end, U, precision=prec)
+  return loc_n.decay[..., None] * S + intra_chunk.mm("...ck,...cv->...kv", loc_n.k_end, U, precision=prec)
 
 
 def scan_chunks(loc: intra_chunk.Local, beta_c, S0, prec, collect: bool = True):
@@ -118,8 +129,8 @@ def scan_chunks(loc: intra_chunk.Local, beta_c, S0, prec, collect: bool = True):
 
 def finish(loc, S_in, U, prec, dims: checks.Dims, C: int):
   """o = Q_dec S_in + P U, back to [B, T, HV, V]."""
-  o = (jnp.einsum("...ck,...kv->...cv", loc.q_dec, S_in, precision=prec)
-       + jnp.einsum("...ti,...iv->...tv", loc.P, U, precision=prec))
+  o = (intra_chunk.mm("...ck,...kv->...cv", loc.q_dec, S_in, precision=prec)
+       + intra_chunk.mm("...ti,...iv->...tv", loc.P, U, precision=prec))
   B, HV, N = o.shape[:3]
   o = jnp.moveaxis(o.reshape(B, HV, N * C, dims.V), 1, 2)
   return o[:, :dims.T]

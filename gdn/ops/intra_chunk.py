@@ -42,8 +42,15 @@ class Local:
   U: jax.Array  # [.., C, V] Unew (per-head beta), v (no beta), v (per-channel beta: solved later)
 
 
+def mm(spec, *xs, precision):
+  """`jnp.einsum` that accumulates and returns float32 (float64 for float64 operands), whatever the operands'
+  dtype: 16-bit chunk-local operands never round a product's result to 16 bits."""
+  acc = jnp.promote_types(jnp.float32, jnp.result_type(*xs))
+  return jnp.einsum(spec, *xs, precision=precision, preferred_element_type=acc)
+
+
 def _dot(prec):
-  return lambda spec, *xs: jnp.einsum(spec, *xs, precision=prec)
+  return lambda spec, *xs: mm(spec, *xs, precision=prec)
 
 
 def _cumsum_incl(g, axis):
@@ -123,7 +130,9 @@ def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "block
   """Chunk-local quantities for L = B*HV*N chunks. q (already scaled), k [L,C,K]; v [L,C,V];
   g None, [L,C] or [L,C,K]; beta None, [L,C] or [L,C,V];
   masks None or (same [L,C,C], carries [L,C], reaches_end [L,C], unbroken [L,1]).
-  solver: "triangular" (`lax.linalg.triangular_solve`) or "blocked" (`invert_unit_lower`, then a matmul)."""
+  solver: "triangular" (`lax.linalg.triangular_solve`) or "blocked" (`invert_unit_lower`, then a matmul).
+  16-bit q, k, v: products accumulate in float32, and the outputs but decay and A come back in their dtype."""
+  odt = k.dtype
   dot = _dot(prec)
   C = k.shape[-2]
   if g is None:
@@ -152,11 +161,13 @@ def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "block
     k_dec = jnp.where(carries[..., None], k_dec, 0.0)
     k_end = jnp.where(reaches_end[..., None], k_end, 0.0)
     decay = jnp.where(unbroken, decay, 0.0)
+  out = lambda A, W, U: Local(*(x.astype(odt) for x in (q_dec, k_dec, k_end)), decay, P.astype(odt), A,
+                             None if W is None else W.astype(odt), U.astype(odt))
   if beta_kind == "none":
-    return Local(q_dec, k_dec, k_end, decay, P, None, None, v)
+    return out(None, None, v)
   A = jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), A, 0.0)
   if beta_kind == "channel":
-    return Local(q_dec, k_dec, k_end, decay, P, A, None, v)
+    return out(A, None, v)
   b = beta[..., None]
   rhs = jnp.concatenate([b * k_dec, b * v], axis=-1)
   if solver == "blocked":
@@ -164,7 +175,7 @@ def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "block
   else:
     X = solve_unit_lower(b * A, rhs)
   K = k.shape[-1]
-  return Local(q_dec, k_dec, k_end, decay, P, A, X[..., :K], X[..., K:])
+  return out(A, X[..., :K], X[..., K:])
 
 
 def solve_unit_lower(L, rhs):
