@@ -23,3 +23,18 @@ def test_bench_layers_table(capsys):
     assert r["GDN method"] == "recurrent"
   assert "Crossover: " in out
   assert [r["T"] for r in rows] == lengths and all(r[k]["ms"] > 0 for r in rows for k in ("gdn", "attention"))
+
+
+def test_bench_layer_fla_gdn_side_on_cpu(capsys):
+  """The gdn side of experiments/bench_layer_fla.py runs in its own process and fills its columns; the fla side
+  (CUDA only) is left out here, and its cells say so rather than hold a number."""
+  from experiments import bench_layer_fla
+
+  rows = bench_layer_fla.main(["--preset", "cpu", "--sides", "gdn", "--method", "chunk"])
+  out = capsys.readouterr().out
+  row = [line for line in out.splitlines() if line.startswith("| 128 |")]
+  assert len(row) == 1, out
+  cells = [c.strip() for c in row[0].strip("|").split("|")]
+  assert float(cells[2]) > 0 and cells[3] == "-" and cells[4] == "-", cells  # gdn ms; no fla ms, no ratio
+  assert float(cells[7]) >= 0 and rows[0]["gdn_estimate"] > 0  # XLA's estimate (the CPU has no allocator peak)
+  assert rows[0]["gdn_ms"] > 0 and "fla_ms" not in rows[0]

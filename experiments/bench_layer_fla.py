@@ -1,0 +1,138 @@
+"""One Gated DeltaNet layer's training step: gdn's `RecurrentMixer` against fla's `GatedDeltaNet` layer.
+
+The same layer on both sides: d_model, heads x head_dim, expand_v 1, the SiLU output gate with its RMSNorm,
+short convs of 4; float32 parameters and bfloat16 activations (fla under `torch.autocast`). Measured: the
+gradient of the sum of the layer's output with respect to its parameters and its input, median ms of --reps
+steps after warm-up, and the allocator's peak bytes (JAX `peak_bytes_in_use`, PyTorch `max_memory_allocated`),
+parameters, input and gradients included. Each (side, T) runs in a process of its own: an allocator's peak is
+the process's. Rows keep the tokens per batch fixed (B = tokens // T).
+
+  python -m experiments.bench_layer_fla                                   # the H200 shapes, gdn method auto
+  python -m experiments.bench_layer_fla --lengths 8192 --method pallas
+  python -m experiments.bench_layer_fla --preset cpu --sides gdn          # a CPU smoke run (fla needs CUDA)
+
+fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (a numerics guard); for timing only the
+fla side sets `fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+from experiments.cli import apply_preset
+
+PRESETS = {
+    "h200": dict(d_model=2048, heads=16, head_dim=128, tokens=65536, lengths="2048,8192,32768", reps=10),
+    "cpu": dict(d_model=64, heads=2, head_dim=16, tokens=256, lengths="128", reps=2),
+}
+
+
+def gdn_side(a, T: int) -> dict:
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from gdn.bench.timing import compiled_bytes, device_memory_stats, timed
+  from gdn.config import recurrent_preset
+  from gdn.layers.recurrent import RecurrentMixer
+
+  cfg = recurrent_preset("gated_deltanet", num_heads=a.heads, head_dim=a.head_dim, method=a.method)
+  graphdef, params, rest = nnx.split(RecurrentMixer(cfg, a.d_model, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
+                                     nnx.Param, ...)
+
+  def loss(params, rest, x):
+    y, _ = nnx.merge(graphdef, params, rest)(x)
+    return jnp.sum(y.astype(jnp.float32))  # summed in float32: a bfloat16 sum would round most of it away
+
+  x = jax.random.normal(jax.random.key(1), (a.tokens // T, T, a.d_model), jnp.bfloat16)
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 2))).lower(params, rest, x).compile()
+  ms = timed(compiled, (params, rest, x), a.reps)
+  peak = device_memory_stats().get("peak_bytes_in_use")
+  return dict(ms=ms, peak=peak, estimate=compiled_bytes(compiled))
+
+
+def fla_side(a, T: int) -> dict:
+  import statistics
+  import time
+
+  import torch
+  import fla.ops.common.chunk_o as chunk_o
+  from fla.layers import GatedDeltaNet
+
+  chunk_o.TRITON_ABOVE_3_7_1 = True
+  layer = GatedDeltaNet(hidden_size=a.d_model, expand_v=1, head_dim=a.head_dim, num_heads=a.heads, mode="chunk",
+                        use_gate=True, use_short_conv=True, conv_size=4).cuda()
+  x = torch.randn(a.tokens // T, T, a.d_model, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+  def step():
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+      y = layer(x)[0]
+    y.float().sum().backward()
+
+  for _ in range(3):
+    step()
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(a.reps):
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    times.append(1e3 * (time.perf_counter() - t0))
+  return dict(ms=statistics.median(times), peak=torch.cuda.max_memory_allocated())
+
+
+SIDES = {"gdn": gdn_side, "fla": fla_side}
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--preset", choices=sorted(PRESETS), default="h200")
+  for name in ("d-model", "heads", "head-dim", "tokens", "reps"):
+    p.add_argument(f"--{name}", type=int, help="override the preset")
+  p.add_argument("--lengths", help="comma-separated sequence lengths T (override the preset)")
+  p.add_argument("--method", default="auto", help="gdn's op method")
+  p.add_argument("--sides", nargs="*", default=["gdn", "fla"], choices=sorted(SIDES))
+  p.add_argument("--worker", nargs=2, metavar=("SIDE", "T"), help=argparse.SUPPRESS)
+  a = p.parse_args(argv)
+  return apply_preset(a, PRESETS[a.preset], "lengths")
+
+
+def measure(side: str, T: int, argv) -> dict:
+  """One (side, T) in a fresh process; its result, or the last line of its error."""
+  cmd = [sys.executable, "-m", "experiments.bench_layer_fla", *argv, "--worker", side, str(T)]
+  p = subprocess.run(cmd, capture_output=True, text=True)
+  lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+  if lines:
+    return json.loads(lines[-1][len("RESULT "):])
+  return dict(error=((p.stderr.strip().splitlines() or ["no output"])[-1])[:120])
+
+
+def main(argv=None) -> list:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  a = parse_args(argv)
+  if a.worker:
+    side, T = a.worker
+    print("RESULT " + json.dumps(SIDES[side](a, int(T))), flush=True)
+    return []
+  gib = lambda r: f"{r['peak'] / 2**30:.2f}" if r.get("peak") else "-"
+  ms = lambda r: f"{r['ms']:.2f}" if "ms" in r else r.get("error", "-")
+  print(f"# one Gated DeltaNet layer, fwd+bwd: d_model {a.d_model}, {a.heads} heads x {a.head_dim}, {a.tokens} "
+        f"tokens a batch, bfloat16 activations, float32 parameters; gdn method {a.method}; median of {a.reps}")
+  print("| T | B | gdn ms | fla ms | gdn / fla | gdn peak GiB | fla peak GiB | gdn XLA estimate GiB |")
+  print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+  rows = []
+  for T in a.lengths:
+    r = {side: measure(side, T, argv) if side in a.sides else {} for side in SIDES}
+    g, f = r["gdn"], r["fla"]
+    ratio = f"{g['ms'] / f['ms']:.2f}x" if "ms" in g and "ms" in f else "-"
+    est = f"{g['estimate'] / 2**30:.2f}" if g.get("estimate") else "-"
+    print(f"| {T} | {a.tokens // T} | {ms(g)} | {ms(f)} | {ratio} | {gib(g)} | {gib(f)} | {est} |", flush=True)
+    rows.append(dict(T=T, **{f"{s}_{k}": v for s in r for k, v in r[s].items()}))
+  return rows
+
+
+if __name__ == "__main__":
+  main()
