@@ -117,6 +117,14 @@ class AttentionConfig:
   qk_norm: bool = False  # RMSNorm on q and k per head
   proj_bias: bool = False  # biases on the q, k, v and o projections (Qwen3-Next's attention_bias=True)
   implementation: str = "auto"  # jax.nn.dot_product_attention backend: "auto" (cuDNN for 16-bit on GPU), "xla", "cudnn"
+  # RoPE scaling (gdn.layers.rope): "none", or "yarn" (arXiv:2309.00071) with the fields below.
+  rope_scaling: str = "none"
+  rope_factor: float = 1.0  # context extension factor: the slow frequencies are divided by it
+  rope_original_max_len: int = 0  # the context length trained with plain RoPE (yarn needs it)
+  rope_beta_fast: float = 32.0  # dims turning more than beta_fast times over that length keep their frequency
+  rope_beta_slow: float = 1.0  # dims turning fewer than beta_slow times are fully interpolated
+  rope_attention_factor: Optional[float] = None  # cos/sin magnitude; None: 0.1 ln(rope_factor) + 1
+  rope_truncate: bool = True  # round the ramp's ends to whole dims
 
   def __post_init__(self):
     _positive("num_heads", self.num_heads)
@@ -129,6 +137,14 @@ class AttentionConfig:
       raise ValueError(f"window must be >= 0, got {self.window}")
     _choice("output_gate", self.output_gate, ("none", "sigmoid"))
     _choice("implementation", self.implementation, ("auto", "xla", "cudnn"))
+    _choice("rope_scaling", self.rope_scaling, ("none", "yarn"))
+    if self.rope_scaling == "yarn":
+      if not self.rope_factor >= 1.0:
+        raise ValueError(f"rope_factor must be >= 1 for rope_scaling='yarn', got {self.rope_factor}")
+      _positive("rope_original_max_len", self.rope_original_max_len)
+      if not self.rope_beta_fast > self.rope_beta_slow > 0:
+        raise ValueError(f"rope_beta_fast > rope_beta_slow > 0 is needed, got {self.rope_beta_fast}, "
+                         f"{self.rope_beta_slow}")
 
   @property
   def KVH(self) -> int:

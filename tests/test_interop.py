@@ -364,6 +364,32 @@ def test_qwen3_next_gated_attention(torch, hf_qwen3_next, kw):
   assert rel_err(run(ours, x), y) <= TOL
 
 
+YARN = [dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=262144),  # Qwen3-Next's published form
+        dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=64, beta_fast=16, beta_slow=2),
+        dict(type="yarn", factor=2.0, original_max_position_embeddings=32, attention_factor=1.3, truncate=False)]
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("rope", YARN)
+def test_qwen3_next_yarn_from_config_json_rope_scaling(torch, hf_qwen3_next, rope):
+  """config.json keeps YaRN under "rope_scaling" (theta beside it); transformers 5 reads it as rope_parameters."""
+  config_json = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                     rope_theta=1e6 if rope["original_max_position_embeddings"] > 1000 else 1e4,
+                     partial_rotary_factor=0.5, rope_scaling=rope)
+  ours = qwen_interop.attention_config(config_json)[0]
+  assert ours.rope_scaling == "yarn" and ours.rope_factor == rope["factor"]
+  hf_rope = {k: v for k, v in rope.items() if k != "type"}
+  hf_config = qwen3_next_config(rope_parameters=dict(hf_rope, rope_type="yarn", rope_theta=config_json["rope_theta"],
+                                                     partial_rotary_factor=0.5))
+  torch.manual_seed(7)
+  theirs = randomize(torch, hf_qwen3_next.Qwen3NextAttention(hf_config, layer_idx=3))
+  x = torch.randn(2, 40, 64)
+  y = hf_attention(torch, hf_qwen3_next, theirs, hf_config, x)
+  assert rel_err(run(qwen_interop.load_attention(theirs.state_dict(), config_json), x), y) <= TOL
+  plain = qwen_interop.load_attention(theirs.state_dict(), {**config_json, "rope_scaling": None})
+  assert rel_err(run(plain, x), y) > 1e-3  # the scaling matters at these sizes
+
+
 @pytest.mark.interop
 def test_qwen3_next_from_a_sharded_checkpoint(torch, hf_qwen3_next, tmp_path):
   """A decoder stack's layers from a sharded safetensors checkpoint, read through its index as from_pretrained
@@ -511,9 +537,13 @@ def test_qwen3_next_qkvz_is_regrouped_by_head():
 def test_qwen3_next_config_fields_are_named():
   with pytest.raises(KeyError, match="linear_num_key_heads"):
     qwen_interop.gated_deltanet_config({"hidden_size": 8})
-  with pytest.raises(ValueError, match="rope_type"):
-    qwen_interop.attention_config({"hidden_size": 8, "num_attention_heads": 2, "rms_norm_eps": 1e-6,
-                                   "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+  attention = {"hidden_size": 8, "num_attention_heads": 2, "rms_norm_eps": 1e-6}
+  for key in ("rope_parameters", "rope_scaling"):
+    with pytest.raises(ValueError, match="'longrope'"):
+      qwen_interop.attention_config({**attention, key: {"rope_type": "longrope", "rope_theta": 1e4}})
+  with pytest.raises(ValueError, match="rope_original_max_len"):
+    qwen_interop.attention_config({**attention, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                                 "original_max_position_embeddings": 0}})
 
 
 @pytest.mark.interop

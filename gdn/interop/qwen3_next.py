@@ -12,7 +12,8 @@ Gated attention (keys under e.g. "model.layers.3.self_attn."):
   q_proj [N*2E, D] gives per head [query (E), gate (E)], our Attention's layout; k_proj, v_proj [G*E, D];
   with attention_bias=True all four projections (o_proj too) have biases, our AttentionConfig.proj_bias;
   q_norm / k_norm are Qwen3NextRMSNorm, which scales by (1 + w): imported as our RMSNorm weight 1 + w (the same
-  float32 number torch multiplies by). RoPE on the first int(E * partial_rotary_factor) dims, half-split pairs.
+  float32 number torch multiplies by). RoPE on the first int(E * partial_rotary_factor) dims, half-split pairs,
+  plain or YaRN (`rope_fields`).
 """
 
 from __future__ import annotations
@@ -86,25 +87,42 @@ def load_gated_deltanet(state_dict, hf_config, *, prefix: str = "", module: Opti
   return assign(module, gated_deltanet_params(t, cfg, d_model))
 
 
-def _rope(hf_config) -> tuple:
-  """(rope_theta, partial_rotary_factor): transformers 5 keeps them in rope_parameters, 4.x on the config."""
-  rope = field(hf_config, "rope_parameters", None) or {}
-  kind = rope.get("rope_type", "default")
-  if kind != "default":
-    raise ValueError(f"hf_config rope_type={kind!r}: our Attention implements plain RoPE ('default') only")
+def rope_fields(hf_config) -> dict:
+  """Our AttentionConfig's rope fields from a config: `rope_parameters` (transformers 5) or `rope_scaling`
+  (config.json files, transformers 4), theta and partial_rotary_factor inside them or on the config. Types
+  "default" and "yarn" are read; any other is refused by name."""
+  rope = dict(field(hf_config, "rope_scaling", None) or {})
+  rope.update(field(hf_config, "rope_parameters", None) or {})
+  kind = rope.get("rope_type", rope.get("type", "default"))
   theta = rope.get("rope_theta", field(hf_config, "rope_theta", 10000.0))
   fraction = rope.get("partial_rotary_factor", field(hf_config, "partial_rotary_factor", 1.0))
-  return float(theta), float(fraction)
+  out = dict(rope_theta=float(theta), rope_fraction=float(fraction))
+  if kind == "default":
+    return out
+  if kind != "yarn":
+    raise ValueError(f"hf_config rope_type={kind!r}: our Attention implements 'default' and 'yarn' RoPE only")
+  if rope.get("mscale") or rope.get("mscale_all_dim"):
+    raise ValueError("hf_config rope mscale / mscale_all_dim (DeepSeek's YaRN magnitude) is not supported; "
+                     "give attention_factor instead")
+  original = rope.get("original_max_position_embeddings")
+  if original is None:
+    original = (field(hf_config, "original_max_position_embeddings", None)
+                or field(hf_config, "max_position_embeddings"))
+  factor = rope.get("factor") or field(hf_config, "max_position_embeddings") / original
+  attention_factor = rope.get("attention_factor")
+  return dict(out, rope_scaling="yarn", rope_factor=float(factor), rope_original_max_len=int(original),
+              rope_beta_fast=float(rope.get("beta_fast") or 32.0), rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+              rope_attention_factor=None if attention_factor is None else float(attention_factor),
+              rope_truncate=bool(rope.get("truncate", True)))
 
 
 def attention_config(hf_config, **overrides) -> tuple:
   """(AttentionConfig, d_model, norm_eps) from a `Qwen3NextConfig` or its config.json dict; norm_eps is
   `Attention`'s constructor argument for the q/k norms. `overrides`: e.g. implementation."""
   N, D = field(hf_config, "num_attention_heads"), field(hf_config, "hidden_size")
-  theta, fraction = _rope(hf_config)
   cfg = AttentionConfig(num_heads=N, num_kv_heads=field(hf_config, "num_key_value_heads", N),
-                        head_dim=field(hf_config, "head_dim", None) or D // N, rope_theta=theta,
-                        rope_fraction=fraction, output_gate="sigmoid", qk_norm=True,
+                        head_dim=field(hf_config, "head_dim", None) or D // N, **rope_fields(hf_config),
+                        output_gate="sigmoid", qk_norm=True,
                         proj_bias=bool(field(hf_config, "attention_bias", False)), **overrides)
   return cfg, D, float(field(hf_config, "rms_norm_eps"))
 
