@@ -228,6 +228,89 @@ def test_fla_model_config_and_prefix(torch, fla_layer_on_cpu):
   assert rel_err(run(ours, x), y) <= TOL
 
 
+@pytest.fixture
+def fla_model_on_cpu(torch, monkeypatch, fla_layer_on_cpu):
+  """fla's GatedDeltaNetForCausalLM on CPU: its GatedDeltaNet layers as `fla_layer_on_cpu`; its standard attention
+  through torch's softmax attention in place of flash-attn (causal, GQA, the (window - 1, 0) window), fla's
+  `rotary_embedding_ref` for RoPE and SiLU(gate) * up for the MLP (fla's configs with fuse_norm / fuse_swiglu off
+  take torch's RMSNorm and this unfused path)."""
+  import torch.nn.functional as F
+  from fla.layers import attn as attn_module
+  from fla.modules import mlp as mlp_module
+  from fla.modules.rotary import ops as rotary_ops
+
+  def flash_attn_func(q, k, v, causal=True, window_size=(-1, -1), **unused):
+    assert causal
+    T, G = q.shape[1], q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
+    i = torch.arange(T)
+    ok = i[None, :] <= i[:, None]
+    if window_size[0] >= 0:
+      ok &= i[:, None] - i[None, :] <= window_size[0]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=ok)
+    return o.transpose(1, 2)
+
+  def rotary(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, **unused):
+    assert cu_seqlens is None
+    T = x.shape[1]
+    return rotary_ops.rotary_embedding_ref(x, cos[seqlen_offsets:seqlen_offsets + T],
+                                           sin[seqlen_offsets:seqlen_offsets + T], interleaved)
+
+  monkeypatch.setattr(attn_module, "flash_attn_func", flash_attn_func)
+  monkeypatch.setattr(rotary_ops, "rotary_embedding", rotary)
+  monkeypatch.setattr(mlp_module, "swiglu", lambda gate, y: F.silu(gate) * y)
+  from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+  return GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+
+def greedy_torch(torch, theirs, prompt, n):
+  """Greedy decoding of the torch model by full forwards (no attention mask, which fla would turn into packed
+  sequences, and no cache, which needs its Triton decoding kernels)."""
+  tokens = torch.as_tensor(np.asarray(prompt))
+  with torch.no_grad():
+    for _ in range(n):
+      nxt = theirs(tokens, use_cache=False).logits[:, -1].argmax(-1)
+      tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+  return tokens.numpy()
+
+
+def check_model(torch, theirs, ours, vocab, T=13, new_tokens=6):
+  """Logits equal on random tokens; greedy continuations equal token for token."""
+  from gdn.generate import generate
+
+  tokens = np.random.default_rng(T).integers(0, vocab, size=(2, T))
+  with torch.no_grad():
+    y = theirs(torch.as_tensor(tokens), use_cache=False).logits
+  assert rel_err(ours(jnp.asarray(tokens)), y) <= TOL
+  out = generate(ours, jnp.asarray(tokens[:, :5]), new_tokens, rng=None, temperature=0.0)
+  np.testing.assert_array_equal(np.asarray(out), greedy_torch(torch, theirs, tokens[:, :5], new_tokens))
+
+
+FLA_MODELS = {
+    "gdn": dict(num_heads=2, head_dim=8, expand_v=2.0, num_hidden_layers=2, tie_word_embeddings=True),
+    "hybrid": dict(num_heads=2, num_v_heads=4, head_dim=8, expand_v=1.0, num_hidden_layers=3, hidden_ratio=2,
+                   attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2, "rope_theta": 5e4}),
+    "hybrid_window_no_gate": dict(num_heads=2, head_dim=8, num_hidden_layers=3, use_gate=False, intermediate_size=40,
+                                  attn=[{"layers": [0], "num_heads": 2, "window_size": 4}, {"layers": [2], "num_heads": 2,
+                                         "window_size": 4}]),
+}
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("case", sorted(FLA_MODELS))
+def test_fla_causal_lm(torch, fla_model_on_cpu, tmp_path, case):
+  config_class, model_class = fla_model_on_cpu
+  hf_config = config_class(hidden_size=32, vocab_size=50, fuse_norm=False, fuse_swiglu=False, norm_eps=1e-6,
+                           **FLA_MODELS[case])
+  torch.manual_seed(3)
+  theirs = randomize(torch, model_class(hf_config))
+  theirs.save_pretrained(tmp_path)  # safetensors and config.json, as a published checkpoint
+  ours = fla_interop.load_model(str(tmp_path))
+  assert ours.cfg.pattern == "".join("A" if "Attention" == type(l.attn).__name__ else "R" for l in theirs.model.layers
+                                     ).replace("A", "W" if "window" in case else "A")
+  check_model(torch, theirs, ours, 50)
+
+
 # fla's KimiDeltaAttention layer.
 
 

@@ -1,0 +1,129 @@
+"""Whole causal language models between PyTorch checkpoints and our `LanguageModel`: the glue every source
+shares (config.json, embeddings, block norms, dense MLPs, the final norm, the head, tensors left over). Each
+source's own layer mapping lives in its module (`fla`, `qwen3_next`).
+
+A checkpoint is read layer by layer (only the shards holding that layer are opened) and written as one
+safetensors file with its config.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable, Mapping
+
+import numpy as np
+from flax import nnx
+
+from gdn.config import ModelConfig
+from gdn.interop.state_dict import Tensors, assign, linear, read_safetensors, source_keys
+from gdn.model import LanguageModel
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def read_config(source, config):
+  """`config` when given (a config object or its config.json dict), else the config.json beside the checkpoint."""
+  if config is not None:
+    return config
+  if isinstance(source, (str, os.PathLike)):
+    folder = os.fspath(source)
+    folder = folder if os.path.isdir(folder) else os.path.dirname(folder)
+    path = os.path.join(folder, CONFIG_FILE)
+    if os.path.exists(path):
+      with open(path) as f:
+        return json.load(f)
+  raise ValueError(f"config is needed: pass the model's config (a config object or its config.json dict); "
+                   f"no {CONFIG_FILE} was found beside the checkpoint")
+
+
+class Parts:
+  """One layer's tensors (names relative to the layer), handed out by sub-module prefix as `Tensors`, so that
+  `check` can name a tensor no sub-module took."""
+
+  def __init__(self, arrays: Mapping, prefix: str):
+    self.arrays, self.prefix, self.used = dict(arrays), prefix, []
+
+  def __contains__(self, sub: str) -> bool:
+    return any(k.startswith(sub) for k in self.arrays)
+
+  def tensors(self, sub: str) -> Tensors:
+    self.used.append(sub)
+    t = Tensors(self.arrays, sub)
+    t.prefix = self.prefix + sub  # errors name the full checkpoint key
+    return t
+
+  def check(self) -> None:
+    left = sorted(k for k in self.arrays if not any(k.startswith(u) for u in self.used))
+    if left:
+      raise ValueError(f"checkpoint tensors with no counterpart in our model: {[self.prefix + k for k in left]}")
+
+
+def norm_params(t: Tensors, dim: int, *, plus_one: bool) -> dict:
+  """RMSNorm weight; plus_one: the source scales by (1 + w) (Qwen3-Next), stored as our weight 1 + w."""
+  w = t.take("weight", (dim,))
+  t.check_consumed()
+  return {"weight": 1.0 + w if plus_one else w}
+
+
+def swiglu_params(t: Tensors, d_model: int, hidden: int) -> dict:
+  """Our SwiGLU from torch's gate_proj / up_proj / down_proj: down(silu(gate(x)) * up(x))."""
+  p = {"gate_proj": linear(t, "gate_proj", d_model, hidden), "up_proj": linear(t, "up_proj", d_model, hidden),
+       "down_proj": linear(t, "down_proj", hidden, d_model)}
+  t.check_consumed()
+  return p
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where a source keeps the pieces of a causal LM. layer: the prefix of layer i as a format string."""
+  embed: str
+  final_norm: str
+  layer: str
+  plus_one: bool  # its RMSNorms scale by (1 + w)
+  head: str = "lm_head.weight"
+  ignore: tuple = ()  # key prefixes outside the causal LM (Qwen3-Next's multi-token-prediction head "mtp.")
+
+
+def load(source, cfg: ModelConfig, layout: Layout, layer_params: Callable[[Parts, int], dict]) -> LanguageModel:
+  """Our LanguageModel(cfg) filled from `source` (a mapping or a safetensors path): `layer_params(parts, i)` gives
+  block i's {"mixer_norm", "mixer", "mlp_norm", "mlp"}; every tensor must find its place."""
+  keys = source_keys(source)
+  V, D = cfg.vocab_size, cfg.d_model
+  read = (lambda prefix: read_safetensors(source, prefix)) if isinstance(source, (str, os.PathLike)) else (
+      lambda prefix: {k[len(prefix):]: v for k, v in source.items() if isinstance(k, str) and k.startswith(prefix)})
+
+  def part(prefix):
+    arrays = read(prefix)
+    if not arrays:
+      raise KeyError(f"checkpoint has no tensor {prefix + ('' if prefix.endswith('weight') else 'weight')!r}")
+    t = Tensors(arrays, name="checkpoint")
+    t.prefix = prefix  # errors name the full checkpoint key
+    return t
+
+  embed = part(layout.embed)
+  params = {"embed": {"embedding": embed.take("weight", (V, D))},
+            "final_norm": norm_params(part(layout.final_norm), D, plus_one=layout.plus_one), "blocks": {}}
+  embed.check_consumed()
+  for i in range(cfg.num_layers):
+    prefix = layout.layer.format(i)
+    parts = Parts(read(prefix), prefix)
+    params["blocks"][i] = layer_params(parts, i)
+    parts.check()
+  if cfg.tie_embeddings:
+    if layout.head in keys:
+      head = part(layout.head).take("", (V, D))
+      if not np.array_equal(head, params["embed"]["embedding"]):
+        raise ValueError(f"the config ties the embeddings but {layout.head!r} differs from {layout.embed}weight")
+  else:
+    if layout.head not in keys:
+      raise KeyError(f"checkpoint is missing {layout.head!r} (the config does not tie the embeddings)")
+    params["lm_head"] = {"kernel": part(layout.head).take("", (V, D)).T}
+  known = (layout.embed, layout.final_norm, layout.head) + layout.ignore
+  layers = tuple(layout.layer.format(i) for i in range(cfg.num_layers))
+  left = [k for k in keys if not k.startswith(known + layers)]
+  if left:
+    raise ValueError(f"checkpoint tensors with no counterpart in our model: {left}")
+  return assign(LanguageModel(cfg, rngs=nnx.Rngs(0)), params)
