@@ -501,6 +501,38 @@ def test_qwen3_next_from_a_sharded_checkpoint(torch, hf_qwen3_next, tmp_path):
   assert rel_err(run(ours_att, x), hf_attention(torch, hf_qwen3_next, att, hf_config, x)) <= TOL
 
 
+QWEN_MODELS = {
+    "dense": dict(num_hidden_layers=4, full_attention_interval=2, tie_word_embeddings=True),
+    "moe_yarn": dict(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                     shared_expert_intermediate_size=24, mlp_only_layers=[1],
+                     rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8,
+                                          rope_theta=1e4, partial_rotary_factor=0.5)),
+    "moe_no_renorm": dict(num_hidden_layers=2, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=8,
+                          shared_expert_intermediate_size=8, norm_topk_prob=False, decoder_sparse_step=2),
+}
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("case", sorted(QWEN_MODELS))
+def test_qwen3_next_causal_lm(torch, hf_qwen3_next, tmp_path, case):
+  hf_config = qwen3_next_config(hidden_size=32, linear_key_head_dim=8, linear_value_head_dim=8, vocab_size=50,
+                                intermediate_size=40, **QWEN_MODELS[case])
+  torch.manual_seed(11)
+  theirs = randomize(torch, hf_qwen3_next.Qwen3NextForCausalLM(hf_config))
+  theirs.save_pretrained(tmp_path)  # published checkpoints' form: per-expert tensors, config.json beside them
+  ours = qwen_interop.load_model(str(tmp_path))
+  assert ours.cfg.mlp_kinds == tuple("moe" if type(l.mlp).__name__ == "Qwen3NextSparseMoeBlock" else "dense"
+                                     for l in theirs.model.layers)
+  assert ours.cfg.layer_kinds == tuple({"linear_attention": "recurrent", "full_attention": "attention"}[t]
+                                       for t in hf_config.layer_types)
+  check_model(torch, theirs, ours, 50)
+  if case == "moe_no_renorm":  # transformers' in-memory form: fused gate_up_proj, and an mtp head to skip
+    sd = {**theirs.state_dict(), "mtp.fc.weight": torch.zeros(2, 2)}
+    tokens = jnp.asarray(np.arange(10)[None])
+    np.testing.assert_array_equal(np.asarray(qwen_interop.load_model(sd, hf_config)(tokens)),
+                                  np.asarray(ours(tokens)))
+
+
 # Without torch: the mapping, and errors that name what is wrong.
 
 

@@ -41,10 +41,10 @@ def read_config(source, config):
 
 class Parts:
   """One layer's tensors (names relative to the layer), handed out by sub-module prefix as `Tensors`, so that
-  `check` can name a tensor no sub-module took."""
+  `check` can name a tensor that no sub-module took."""
 
   def __init__(self, arrays: Mapping, prefix: str):
-    self.arrays, self.prefix, self.used = dict(arrays), prefix, []
+    self.arrays, self.prefix, self.used, self.handed = dict(arrays), prefix, [], []
 
   def __contains__(self, sub: str) -> bool:
     return any(k.startswith(sub) for k in self.arrays)
@@ -53,9 +53,12 @@ class Parts:
     self.used.append(sub)
     t = Tensors(self.arrays, sub)
     t.prefix = self.prefix + sub  # errors name the full checkpoint key
+    self.handed.append(t)
     return t
 
   def check(self) -> None:
+    for t in self.handed:
+      t.check_consumed()
     left = sorted(k for k in self.arrays if not any(k.startswith(u) for u in self.used))
     if left:
       raise ValueError(f"checkpoint tensors with no counterpart in our model: {[self.prefix + k for k in left]}")
@@ -64,16 +67,13 @@ class Parts:
 def norm_params(t: Tensors, dim: int, *, plus_one: bool) -> dict:
   """RMSNorm weight; plus_one: the source scales by (1 + w) (Qwen3-Next), stored as our weight 1 + w."""
   w = t.take("weight", (dim,))
-  t.check_consumed()
   return {"weight": 1.0 + w if plus_one else w}
 
 
-def swiglu_params(t: Tensors, d_model: int, hidden: int) -> dict:
-  """Our SwiGLU from torch's gate_proj / up_proj / down_proj: down(silu(gate(x)) * up(x))."""
-  p = {"gate_proj": linear(t, "gate_proj", d_model, hidden), "up_proj": linear(t, "up_proj", d_model, hidden),
-       "down_proj": linear(t, "down_proj", hidden, d_model)}
-  t.check_consumed()
-  return p
+def swiglu_params(t: Tensors, d_model: int, hidden: int, *, prefix: str = "") -> dict:
+  """Our SwiGLU from torch's gate_proj / up_proj / down_proj under `prefix`: down(silu(gate(x)) * up(x))."""
+  return {n: linear(t, prefix + n, *((hidden, d_model) if n == "down_proj" else (d_model, hidden)))
+          for n in ("gate_proj", "up_proj", "down_proj")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,10 +103,11 @@ def load(source, cfg: ModelConfig, layout: Layout, layer_params: Callable[[Parts
     t.prefix = prefix  # errors name the full checkpoint key
     return t
 
-  embed = part(layout.embed)
+  embed, final = part(layout.embed), part(layout.final_norm)
   params = {"embed": {"embedding": embed.take("weight", (V, D))},
-            "final_norm": norm_params(part(layout.final_norm), D, plus_one=layout.plus_one), "blocks": {}}
+            "final_norm": norm_params(final, D, plus_one=layout.plus_one), "blocks": {}}
   embed.check_consumed()
+  final.check_consumed()
   for i in range(cfg.num_layers):
     prefix = layout.layer.format(i)
     parts = Parts(read(prefix), prefix)

@@ -24,10 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdn.config import AttentionConfig, RecurrentConfig
+from gdn.config import AttentionConfig, ModelConfig, MoEConfig, RecurrentConfig
+from gdn.interop import causal_lm
 from gdn.interop.state_dict import Tensors, assign, field, linear, target
 from gdn.layers.attention import Attention
 from gdn.layers.recurrent import RecurrentMixer
+from gdn.model import LanguageModel
 
 
 def gated_deltanet_config(hf_config, **overrides) -> tuple:
@@ -160,3 +162,99 @@ def load_attention(state_dict, hf_config, *, prefix: str = "", module: Optional[
   if module.q_norm.eps != eps:
     raise ValueError(f"module's q/k norm eps is {module.q_norm.eps}, hf_config.rms_norm_eps {eps}")
   return assign(module, attention_params(t, cfg, d_model))
+
+
+# Whole models: transformers' Qwen3NextForCausalLM, dense or with sparse MoE MLPs.
+
+QWEN_LAYOUT = causal_lm.Layout(embed="model.embed_tokens.", final_norm="model.norm.", layer="model.layers.{}.",
+                               plus_one=True, ignore=("mtp.",))
+LAYER_LETTERS = {"linear_attention": "R", "full_attention": "A"}
+
+
+def layer_types(hf_config) -> list:
+  """"linear_attention" / "full_attention" per layer: `layer_types`, else every full_attention_interval-th."""
+  L = field(hf_config, "num_hidden_layers")
+  types = field(hf_config, "layer_types", None)
+  if not types:
+    every = field(hf_config, "full_attention_interval", 4)
+    types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(L)]
+  bad = sorted(set(types) - set(LAYER_LETTERS))
+  if bad or len(types) != L:
+    raise ValueError(f"hf_config.layer_types must hold {L} of {tuple(LAYER_LETTERS)}, got {types}")
+  return list(types)
+
+
+def moe_layers(hf_config) -> list:
+  """Whether each layer's MLP is the sparse MoE block, as Qwen3NextDecoderLayer decides."""
+  L, E = field(hf_config, "num_hidden_layers"), field(hf_config, "num_experts", 0)
+  step, dense = field(hf_config, "decoder_sparse_step", 1), set(field(hf_config, "mlp_only_layers", []) or [])
+  return [E > 0 and i not in dense and (i + 1) % step == 0 for i in range(L)]
+
+
+def model_config(hf_config, **overrides) -> ModelConfig:
+  """Our ModelConfig of a `Qwen3NextForCausalLM` from its `Qwen3NextConfig` or config.json dict. `overrides`: our
+  RecurrentConfig fields that transformers has no counterpart for (method, chunk_size)."""
+  moe = moe_layers(hf_config)
+  moe_cfg = MoEConfig()
+  if any(moe):
+    moe_cfg = MoEConfig(num_experts=field(hf_config, "num_experts"), top_k=field(hf_config, "num_experts_per_tok"),
+                        hidden=field(hf_config, "moe_intermediate_size"),
+                        shared_hidden=field(hf_config, "shared_expert_intermediate_size"), shared_gate=True,
+                        norm_topk=bool(field(hf_config, "norm_topk_prob", True)),
+                        aux_loss_coef=float(field(hf_config, "router_aux_loss_coef", 0.001)))
+  L = field(hf_config, "num_hidden_layers")
+  return ModelConfig(vocab_size=field(hf_config, "vocab_size"), d_model=field(hf_config, "hidden_size"),
+                     num_layers=L, pattern="".join(LAYER_LETTERS[t] for t in layer_types(hf_config)),
+                     recurrent=gated_deltanet_config(hf_config, **overrides)[0],
+                     attention=attention_config(hf_config)[0], mlp_hidden=field(hf_config, "intermediate_size"),
+                     mlp_pattern="".join("M" if m else "D" for m in moe), moe=moe_cfg,
+                     tie_embeddings=bool(field(hf_config, "tie_word_embeddings", False)),
+                     norm_eps=float(field(hf_config, "rms_norm_eps")))
+
+
+def _experts(t: Tensors, E: int, D: int, I: int) -> dict:
+  """Our stacked experts [E, D, I] / [E, I, D] from transformers' fused gate_up_proj [E, 2I, D] and down_proj
+  [E, D, I], or from published checkpoints' per-expert experts.{e}.gate_proj / up_proj / down_proj."""
+  if "experts.gate_up_proj" in t:
+    gate_up = t.take("experts.gate_up_proj", (E, 2 * I, D))
+    return {"gate_proj": gate_up[:, :I].transpose(0, 2, 1), "up_proj": gate_up[:, I:].transpose(0, 2, 1),
+            "down_proj": t.take("experts.down_proj", (E, D, I)).transpose(0, 2, 1)}
+  one = lambda name, n_in, n_out: np.stack([linear(t, f"experts.{e}.{name}", n_in, n_out)["kernel"] for e in range(E)])
+  return {"gate_proj": one("gate_proj", D, I), "up_proj": one("up_proj", D, I), "down_proj": one("down_proj", I, D)}
+
+
+def moe_params(t: Tensors, cfg: MoEConfig, d_model: int) -> dict:
+  """Our MoE from a `Qwen3NextSparseMoeBlock` state_dict: router gate.weight [E, D], the experts, the shared
+  expert and its gate shared_expert_gate.weight [1, D]."""
+  E, D = cfg.num_experts, d_model
+  p = {"router": linear(t, "gate", D, E), "experts": _experts(t, E, D, cfg.hidden),
+       "shared_expert": causal_lm.swiglu_params(t, D, cfg.shared_hidden, prefix="shared_expert."),
+       "shared_gate": linear(t, "shared_expert_gate", D, 1)}
+  t.check_consumed()
+  return p
+
+
+def load_model(source, hf_config=None, **overrides) -> LanguageModel:
+  """Our `LanguageModel` holding a `Qwen3NextForCausalLM` (dense or MoE; its multi-token-prediction "mtp." tensors,
+  which the causal LM does not use, are skipped).
+
+  source: a checkpoint folder (safetensors with its config.json), a safetensors file or index, or the model's
+  `state_dict()`; hf_config: its `Qwen3NextConfig` or config.json dict (read from the folder when None).
+  `overrides`: as `model_config`.
+  """
+  hf_config = causal_lm.read_config(source, hf_config)
+  cfg = model_config(hf_config, **overrides)
+  D = cfg.d_model
+
+  def layer(parts, i):
+    if cfg.layer_kinds[i] == "recurrent":
+      mixer = gated_deltanet_params(parts.tensors("linear_attn."), cfg.recurrent, D)
+    else:
+      mixer = attention_params(parts.tensors("self_attn."), cfg.attention, D)
+    mlp = (moe_params(parts.tensors("mlp."), cfg.moe, D) if cfg.mlp_kinds[i] == "moe" else
+           causal_lm.swiglu_params(parts.tensors("mlp."), D, cfg.mlp_hidden))
+    return {"mixer_norm": causal_lm.norm_params(parts.tensors("input_layernorm."), D, plus_one=True), "mixer": mixer,
+            "mlp_norm": causal_lm.norm_params(parts.tensors("post_attention_layernorm."), D, plus_one=True),
+            "mlp": mlp}
+
+  return causal_lm.load(source, cfg, QWEN_LAYOUT, layer)
