@@ -9,17 +9,19 @@ import glob
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from gdn.config import recurrent_preset
+from gdn.config import ModelConfig, recurrent_preset
 from gdn.interop import fla as fla_interop
 from gdn.interop import qwen3_next as qwen_interop
 from gdn.interop import seed
 from gdn.interop.state_dict import Tensors, read_safetensors
 from gdn.layers.recurrent import RecurrentMixer
+from gdn.model import LanguageModel
 
 TOL = 1e-5
 SEED_GLOB = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "seeds", "000_*.txt")
@@ -526,11 +528,51 @@ def test_qwen3_next_causal_lm(torch, hf_qwen3_next, tmp_path, case):
   assert ours.cfg.layer_kinds == tuple({"linear_attention": "recurrent", "full_attention": "attention"}[t]
                                        for t in hf_config.layer_types)
   check_model(torch, theirs, ours, 50)
+  same_checkpoint(qwen_interop.save_model(ours, tmp_path / "back"), tmp_path, tmp_path / "back")
   if case == "moe_no_renorm":  # transformers' in-memory form: fused gate_up_proj, and an mtp head to skip
     sd = {**theirs.state_dict(), "mtp.fc.weight": torch.zeros(2, 2)}
     tokens = jnp.asarray(np.arange(10)[None])
     np.testing.assert_array_equal(np.asarray(qwen_interop.load_model(sd, hf_config)(tokens)),
                                   np.asarray(ours(tokens)))
+
+
+def same_checkpoint(config, original, exported):
+  """Import then export gives back the checkpoint: the same tensor names and values ((1 + w) norms to rounding)."""
+  a, b = read_safetensors(original), read_safetensors(exported)
+  assert sorted(a) == sorted(b)
+  for k in a:
+    np.testing.assert_allclose(b[k], a[k], rtol=1e-6, atol=1e-7, err_msg=k)
+  theirs = json.loads((original / "config.json").read_text())
+  for k in ("vocab_size", "hidden_size", "num_hidden_layers", "tie_word_embeddings"):
+    assert config[k] == theirs[k]
+
+
+def perturbed(model, scale=0.2):
+  """Our model with every parameter moved off its init, as `randomize` does for torch modules."""
+  state = nnx.state(model, nnx.Param)
+  leaves, tree = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(0), len(leaves))
+  nnx.update(model, jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+  return model
+
+
+@pytest.mark.interop
+def test_qwen3_next_export(torch, hf_qwen3_next, tmp_path):
+  """A gdn model (an MoE hybrid with YaRN, built here) saved for transformers, which loads it with our logits."""
+  from transformers import Qwen3NextForCausalLM
+
+  hf_config = qwen3_next_config(hidden_size=32, linear_key_head_dim=8, linear_value_head_dim=8, vocab_size=50,
+                                intermediate_size=40, **QWEN_MODELS["moe_yarn"])
+  ours = perturbed(LanguageModel(qwen_interop.model_config(hf_config), rngs=nnx.Rngs(2)))
+  qwen_interop.save_model(ours, tmp_path)
+  theirs = Qwen3NextForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+  check_model(torch, theirs, ours, 50)
+  for bad, setting in ((dict(pattern="RW"), "pattern"), (dict(norm_eps=1e-5), "norm_eps")):
+    cfg = ModelConfig(**{**dict(vocab_size=50, d_model=32, num_layers=2, pattern="RA",
+                                attention=dataclasses.replace(ours.cfg.attention, window=4),
+                                recurrent=ours.cfg.recurrent), **bad})
+    with pytest.raises(ValueError, match=setting):
+      qwen_interop.save_model(LanguageModel(cfg, rngs=nnx.Rngs(0)), tmp_path / "refused")
 
 
 # Without torch: the mapping, and errors that name what is wrong.

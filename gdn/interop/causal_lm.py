@@ -18,6 +18,7 @@ from flax import nnx
 
 from gdn.config import ModelConfig
 from gdn.interop.state_dict import Tensors, assign, linear, read_safetensors, source_keys
+from gdn.layers.mlp import hidden_size
 from gdn.model import LanguageModel
 
 CONFIG_FILE = "config.json"
@@ -128,3 +129,76 @@ def load(source, cfg: ModelConfig, layout: Layout, layer_params: Callable[[Parts
   if left:
     raise ValueError(f"checkpoint tensors with no counterpart in our model: {left}")
   return assign(LanguageModel(cfg, rngs=nnx.Rngs(0)), params)
+
+
+# Export: our LanguageModel as a checkpoint folder that the source's own class loads.
+
+FREE = {"init_std", "dtype", "mlp_ratio", "method", "chunk_size", "dropout", "dt_init", "implementation"}
+
+
+def _settings(cfg: ModelConfig) -> dict:
+  """The settings of `cfg` that change a model's weights or outputs, flattened to "recurrent.head_dim" etc.; the
+  mixer and MLP configs only where some layer uses them."""
+  cfg = dataclasses.replace(cfg, mlp_hidden=cfg.mlp_hidden or hidden_size(cfg.d_model, cfg.mlp_ratio))
+  out = {}
+  for f in dataclasses.fields(cfg):
+    value = getattr(cfg, f.name)
+    used = {"recurrent": "recurrent" in cfg.layer_kinds, "moe": "moe" in cfg.mlp_kinds,
+            "attention": set(cfg.layer_kinds) - {"recurrent"}}.get(f.name, True)
+    if f.name in FREE or not used:
+      continue
+    if dataclasses.is_dataclass(value):
+      out.update({f"{f.name}.{g.name}": getattr(value, g.name) for g in dataclasses.fields(value) if g.name not in FREE})
+    else:
+      out[f.name] = value
+  out["pattern"], out["mlp_pattern"] = cfg.layer_kinds, cfg.mlp_kinds  # as expanded per layer
+  return out
+
+
+def check_representable(ours: ModelConfig, theirs: ModelConfig, target: str) -> None:
+  """Raise naming every setting of `ours` that `theirs` (our config read back from the written config) lost."""
+  a, b = _settings(ours), _settings(theirs)
+  diff = sorted(k for k in set(a) | set(b) if a.get(k, "unused") != b.get(k, "unused"))
+  if diff:
+    raise ValueError(f"{target} cannot represent this model's " + "; ".join(
+        f"{k}={a.get(k, 'unused')!r} (it would be {b.get(k, 'unused')!r})" for k in diff))
+
+
+def params(model: LanguageModel) -> dict:
+  """Our parameters as float32 NumPy, keyed by path tuples: ("blocks", 0, "mixer", "q_proj", "kernel")."""
+  return {tuple(p): np.asarray(v.get_value(), np.float32) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def save(path, tensors: dict, config: dict) -> None:
+  """`tensors` (name -> NumPy) as one model.safetensors and `config` as config.json in folder `path`."""
+  try:
+    from safetensors.numpy import save_file
+  except ImportError as e:
+    raise ImportError("writing safetensors files needs the 'safetensors' package: pip install -e '.[interop]'") from e
+  os.makedirs(path, exist_ok=True)
+  save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}, os.path.join(path, WEIGHTS_FILE),
+            metadata={"format": "pt"})
+  with open(os.path.join(path, CONFIG_FILE), "w") as f:
+    json.dump(config, f, indent=2)
+
+
+def common_tensors(model: LanguageModel, p: dict, layout: Layout) -> dict:
+  """Embeddings, final norm and (untied) head under the source's names."""
+  minus = (lambda w: w - 1.0) if layout.plus_one else (lambda w: w)
+  out = {layout.embed + "weight": p[("embed", "embedding")], layout.final_norm + "weight": minus(p[("final_norm", "weight")])}
+  if not model.cfg.tie_embeddings:
+    out[layout.head] = p[("lm_head", "kernel")].T
+  return out
+
+
+def swiglu_tensors(p: dict, path: tuple, prefix: str) -> dict:
+  """torch's gate_proj / up_proj / down_proj weights of our SwiGLU at `path`."""
+  return {f"{prefix}{n}.weight": p[path + (n, "kernel")].T for n in ("gate_proj", "up_proj", "down_proj")}
+
+
+def linear_tensors(p: dict, path: tuple, name: str) -> dict:
+  """torch nn.Linear weight (and bias if we have one) of our nnx.Linear at `path`."""
+  out = {f"{name}.weight": p[path + ("kernel",)].T}
+  if path + ("bias",) in p:
+    out[f"{name}.bias"] = p[path + ("bias",)]
+  return out

@@ -28,6 +28,7 @@ from gdn.config import AttentionConfig, ModelConfig, MoEConfig, RecurrentConfig
 from gdn.interop import causal_lm
 from gdn.interop.state_dict import Tensors, assign, field, linear, target
 from gdn.layers.attention import Attention
+from gdn.layers.mlp import hidden_size
 from gdn.layers.recurrent import RecurrentMixer
 from gdn.model import LanguageModel
 
@@ -258,3 +259,84 @@ def load_model(source, hf_config=None, **overrides) -> LanguageModel:
             "mlp": mlp}
 
   return causal_lm.load(source, cfg, QWEN_LAYOUT, layer)
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+  """The config.json of the `Qwen3NextForCausalLM` closest to `cfg` (`save_model` checks that it is exact)."""
+  rec, att, moe = cfg.recurrent, cfg.attention, cfg.moe
+  kinds = cfg.layer_kinds
+  out = dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=cfg.vocab_size,
+             hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers, hidden_act="silu",
+             intermediate_size=cfg.mlp_hidden or hidden_size(cfg.d_model, cfg.mlp_ratio), rms_norm_eps=cfg.norm_eps,
+             tie_word_embeddings=cfg.tie_embeddings, torch_dtype="float32",
+             layer_types=["linear_attention" if k == "recurrent" else "full_attention" for k in kinds],
+             linear_num_key_heads=rec.num_heads, linear_num_value_heads=rec.HV, linear_key_head_dim=rec.head_dim,
+             linear_value_head_dim=rec.V, linear_conv_kernel_dim=rec.conv_size,
+             num_attention_heads=att.num_heads, num_key_value_heads=att.KVH, head_dim=att.head_dim,
+             attention_bias=att.proj_bias, rope_theta=att.rope_theta, partial_rotary_factor=att.rope_fraction,
+             rope_scaling=None, max_position_embeddings=32768)
+  if att.rope_scaling == "yarn":
+    out["rope_scaling"] = dict(rope_type="yarn", factor=att.rope_factor,
+                               original_max_position_embeddings=att.rope_original_max_len,
+                               beta_fast=att.rope_beta_fast, beta_slow=att.rope_beta_slow,
+                               attention_factor=att.rope_attention_factor, truncate=att.rope_truncate)
+    out["max_position_embeddings"] = int(att.rope_original_max_len * att.rope_factor)
+  moe_layers = [i for i, k in enumerate(cfg.mlp_kinds) if k == "moe"]
+  out.update(num_experts=moe.num_experts if moe_layers else 0, num_experts_per_tok=moe.top_k,
+             moe_intermediate_size=moe.hidden, shared_expert_intermediate_size=moe.shared_hidden,
+             norm_topk_prob=moe.norm_topk, router_aux_loss_coef=moe.aux_loss_coef, decoder_sparse_step=1,
+             mlp_only_layers=[i for i in range(cfg.num_layers) if i not in moe_layers] if moe_layers else [])
+  return out
+
+
+def _gated_deltanet_tensors(p: dict, path: tuple, cfg: RecurrentConfig, D: int) -> dict:
+  """The inverse of `gated_deltanet_params`: our separate projections regrouped by q/k head into
+  in_proj_qkvz / in_proj_ba."""
+  H, HV, K, V = cfg.num_heads, cfg.HV, cfg.head_dim, cfg.V
+  G = HV // H
+  w = lambda name, rows: p[path + (name, "kernel")].T.reshape(H, rows, D)  # [H, rows, D], head-major
+  qkvz = np.concatenate([w("q_proj", K), w("k_proj", K), w("v_proj", G * V), w("g_proj", G * V)], axis=1)
+  ba = np.concatenate([w("b_proj", G), w("a_proj", G)], axis=1)
+  return {"in_proj_qkvz.weight": qkvz.reshape(-1, D), "in_proj_ba.weight": ba.reshape(-1, D),
+          "conv1d.weight": p[path + ("conv", "weight")].T[:, None, :], "A_log": p[path + ("A_log",)],
+          "dt_bias": p[path + ("dt_bias",)], "norm.weight": p[path + ("o_norm", "weight")],
+          "out_proj.weight": p[path + ("o_proj", "kernel")].T}
+
+
+def save_model(model: LanguageModel, path) -> dict:
+  """Write `model` as a checkpoint folder (model.safetensors in float32, config.json) that
+  `transformers.Qwen3NextForCausalLM.from_pretrained(path)` loads with the same logits; returns the config dict.
+
+  Refused, naming the setting: what Qwen3-Next cannot hold (sliding-window layers, a recurrent or attention
+  layer other than Qwen3-Next's, MoE without the gated shared expert, norm epsilons that differ, ...).
+  """
+  cfg = model.cfg
+  if "moe" in cfg.mlp_kinds and not (cfg.moe.shared_hidden and cfg.moe.shared_gate):
+    raise ValueError("Qwen3-Next's MoE block always has a gated shared expert: this model's moe.shared_hidden="
+                     f"{cfg.moe.shared_hidden}, moe.shared_gate={cfg.moe.shared_gate}")
+  config = hf_config_dict(cfg)
+  causal_lm.check_representable(cfg, model_config(config), "Qwen3NextForCausalLM")
+  p, D = causal_lm.params(model), cfg.d_model
+  tensors = causal_lm.common_tensors(model, p, QWEN_LAYOUT)
+  for i, (kind, mlp) in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds)):
+    b, pre = ("blocks", i), QWEN_LAYOUT.layer.format(i)
+    sub = {"input_layernorm.weight": p[b + ("mixer_norm", "weight")] - 1.0,
+           "post_attention_layernorm.weight": p[b + ("mlp_norm", "weight")] - 1.0}
+    if kind == "recurrent":
+      sub.update({f"linear_attn.{k}": v for k, v in _gated_deltanet_tensors(p, b + ("mixer",), cfg.recurrent, D).items()})
+    else:
+      for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        sub.update(causal_lm.linear_tensors(p, b + ("mixer", n), f"self_attn.{n}"))
+      sub.update({f"self_attn.{n}.weight": p[b + ("mixer", n, "weight")] - 1.0 for n in ("q_norm", "k_norm")})
+    if mlp == "moe":
+      e = b + ("mlp", "experts")
+      sub.update(causal_lm.linear_tensors(p, b + ("mlp", "router"), "mlp.gate"))
+      sub.update(causal_lm.linear_tensors(p, b + ("mlp", "shared_gate"), "mlp.shared_expert_gate"))
+      sub.update(causal_lm.swiglu_tensors(p, b + ("mlp", "shared_expert"), "mlp.shared_expert."))
+      for j in range(cfg.moe.num_experts):  # the published per-expert form, which transformers fuses on load
+        sub.update({f"mlp.experts.{j}.{n}.weight": p[e + (n,)][j].T for n in ("gate_proj", "up_proj", "down_proj")})
+    else:
+      sub.update(causal_lm.swiglu_tensors(p, b + ("mlp",), "mlp."))
+    tensors.update({pre + k: v for k, v in sub.items()})
+  causal_lm.save(path, tensors, config)
+  return config
