@@ -311,6 +311,25 @@ def test_fla_causal_lm(torch, fla_model_on_cpu, tmp_path, case):
   assert ours.cfg.pattern == "".join("A" if "Attention" == type(l.attn).__name__ else "R" for l in theirs.model.layers
                                      ).replace("A", "W" if "window" in case else "A")
   check_model(torch, theirs, ours, 50)
+  same_checkpoint(fla_interop.save_model(ours, tmp_path / "back"), tmp_path, tmp_path / "back")
+
+
+@pytest.mark.interop
+def test_fla_export(torch, fla_model_on_cpu, tmp_path):
+  """A gdn model (a grouped-value hybrid with GQA attention, built here) saved for fla, which loads it with our
+  logits; what fla cannot hold is refused by name."""
+  _, model_class = fla_model_on_cpu
+  cfg = fla_interop.model_config(dict(FLA_MODELS["hybrid"], hidden_size=32, vocab_size=50, norm_eps=1e-6))
+  ours = perturbed(LanguageModel(cfg, rngs=nnx.Rngs(4)))
+  fla_interop.save_model(ours, tmp_path)
+  theirs = model_class.from_pretrained(tmp_path, fuse_norm=False, fuse_swiglu=False).eval()
+  check_model(torch, theirs, ours, 50)
+  refused = {"attention.output_gate": dict(attention=dataclasses.replace(cfg.attention, output_gate="sigmoid")),
+             "mlp_pattern": dict(mlp_pattern="M"),
+             "recurrent.beta": dict(recurrent=dataclasses.replace(cfg.recurrent, beta="channel"))}
+  for setting, change in refused.items():
+    with pytest.raises(ValueError, match=setting):
+      fla_interop.save_model(LanguageModel(dataclasses.replace(cfg, **change), rngs=nnx.Rngs(0)), tmp_path / "no")
 
 
 # fla's KimiDeltaAttention layer.

@@ -139,7 +139,11 @@ FREE = {"init_std", "dtype", "mlp_ratio", "method", "chunk_size", "dropout", "dt
 def _settings(cfg: ModelConfig) -> dict:
   """The settings of `cfg` that change a model's weights or outputs, flattened to "recurrent.head_dim" etc.; the
   mixer and MLP configs only where some layer uses them."""
-  cfg = dataclasses.replace(cfg, mlp_hidden=cfg.mlp_hidden or hidden_size(cfg.d_model, cfg.mlp_ratio))
+  # Defaults resolved: None value heads mean num_heads, and so on.
+  rec, att = cfg.recurrent, cfg.attention
+  cfg = dataclasses.replace(cfg, mlp_hidden=cfg.mlp_hidden or hidden_size(cfg.d_model, cfg.mlp_ratio),
+                            recurrent=dataclasses.replace(rec, num_v_heads=rec.HV, v_head_dim=rec.V),
+                            attention=dataclasses.replace(att, num_kv_heads=att.KVH))
   out = {}
   for f in dataclasses.fields(cfg):
     value = getattr(cfg, f.name)

@@ -25,6 +25,7 @@ from flax import nnx
 from gdn.config import AttentionConfig, ModelConfig, RecurrentConfig
 from gdn.interop import causal_lm
 from gdn.interop.state_dict import Tensors, assign, field, linear, target
+from gdn.layers.mlp import hidden_size
 from gdn.layers.recurrent import RecurrentMixer
 from gdn.model import LanguageModel
 
@@ -307,3 +308,63 @@ def load_model(source, fla_config=None, **overrides) -> LanguageModel:
             "mlp": causal_lm.swiglu_params(parts.tensors("mlp."), D, cfg.mlp_hidden)}
 
   return causal_lm.load(source, cfg, FLA_LAYOUT, layer)
+
+
+def fla_config_dict(cfg: ModelConfig) -> dict:
+  """The config.json of the fla `GatedDeltaNetForCausalLM` closest to `cfg` (`save_model` checks that it is
+  exact)."""
+  rec, att, kinds = cfg.recurrent, cfg.attention, cfg.layer_kinds
+  out = dict(architectures=["GatedDeltaNetForCausalLM"], model_type="gated_deltanet", vocab_size=cfg.vocab_size,
+             hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers, num_heads=rec.num_heads,
+             num_v_heads=rec.HV, head_dim=rec.head_dim, expand_v=rec.V / rec.head_dim,
+             use_gate=rec.output_gate != "none",
+             output_gate_activation="sigmoid" if rec.output_gate == "sigmoid" else "swish",
+             use_short_conv=rec.short_conv, conv_size=rec.conv_size, allow_neg_eigval=rec.allow_neg_eigval,
+             norm_eps=cfg.norm_eps, hidden_act="swish",
+             intermediate_size=cfg.mlp_hidden or hidden_size(cfg.d_model, cfg.mlp_ratio),
+             tie_word_embeddings=cfg.tie_embeddings, torch_dtype="float32", attn=None)
+  layers = [i for i, k in enumerate(kinds) if k != "recurrent"]
+  if layers:
+    out["attn"] = dict(layers=layers, num_heads=att.num_heads, num_kv_heads=att.KVH, qkv_bias=att.proj_bias,
+                       window_size=att.window if "sliding_window" in kinds else None, rope_theta=att.rope_theta)
+  return out
+
+
+def save_model(model: LanguageModel, path) -> dict:
+  """Write `model` as a checkpoint folder (model.safetensors in float32, config.json) that fla's
+  `GatedDeltaNetForCausalLM.from_pretrained(path)` loads with the same logits; returns the config dict.
+
+  Refused, naming the setting: what fla's model cannot hold (MoE layers, a recurrent layer other than fla's
+  Gated DeltaNet, attention with an output gate, q/k norm, partial or scaled RoPE, a head dim other than
+  d_model / num_heads, an o_proj bias, both global and sliding-window layers, ...).
+  """
+  cfg = model.cfg
+  config = fla_config_dict(cfg)
+  causal_lm.check_representable(cfg, model_config(config), "fla's GatedDeltaNetForCausalLM")
+  p, D = causal_lm.params(model), cfg.d_model
+  rec = cfg.recurrent
+  tensors = causal_lm.common_tensors(model, p, FLA_LAYOUT)
+  for i, kind in enumerate(cfg.layer_kinds):
+    b, m = ("blocks", i), ("blocks", i, "mixer")
+    sub = {"attn_norm.weight": p[b + ("mixer_norm", "weight")], "mlp_norm.weight": p[b + ("mlp_norm", "weight")],
+           **causal_lm.swiglu_tensors(p, b + ("mlp",), "mlp.")}
+    if kind == "recurrent":
+      gate = ["g_proj"] if rec.output_gate != "none" else []
+      names = ["q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "o_proj"] + gate
+      for n in names:
+        sub.update(causal_lm.linear_tensors(p, m + (n,), f"attn.{n}"))
+      sub.update({"attn.A_log": p[m + ("A_log",)], "attn.dt_bias": p[m + ("dt_bias",)],
+                  "attn.o_norm.weight": p[m + ("o_norm", "weight")]})
+      if rec.short_conv:
+        HK = rec.num_heads * rec.head_dim
+        q, k, v = np.split(p[m + ("conv", "weight")], [HK, 2 * HK], axis=1)
+        sub.update({f"attn.{n}_conv1d.weight": w.T[:, None, :] for n, w in (("q", q), ("k", k), ("v", v))})
+    else:
+      if np.any(p.get(m + ("o_proj", "bias"), 0.0)):
+        raise ValueError(f"fla's attention has no o_proj bias: layer {i}'s attention.proj_bias is non-zero on o_proj")
+      for n in ("q_proj", "k_proj", "v_proj"):
+        sub.update(causal_lm.linear_tensors(p, m + (n,), f"attn.{n}"))
+      sub["attn.o_proj.weight"] = p[m + ("o_proj", "kernel")].T
+    tensors.update({FLA_LAYOUT.layer.format(i) + k: v for k, v in sub.items()})
+  causal_lm.save(path, tensors, config)
+  return config
