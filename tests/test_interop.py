@@ -293,8 +293,8 @@ FLA_MODELS = {
     "hybrid": dict(num_heads=2, num_v_heads=4, head_dim=8, expand_v=1.0, num_hidden_layers=3, hidden_ratio=2,
                    attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2, "rope_theta": 5e4}),
     "hybrid_window_no_gate": dict(num_heads=2, head_dim=8, num_hidden_layers=3, use_gate=False, intermediate_size=40,
-                                  attn=[{"layers": [0], "num_heads": 2, "window_size": 4}, {"layers": [2], "num_heads": 2,
-                                         "window_size": 4}]),
+                                  attn=[{"layers": [0], "num_heads": 2, "window_size": 4},
+                                        {"layers": [2], "num_heads": 2, "window_size": 4}]),
 }
 
 
@@ -592,6 +592,31 @@ def test_qwen3_next_export(torch, hf_qwen3_next, tmp_path):
                                 recurrent=ours.cfg.recurrent), **bad})
     with pytest.raises(ValueError, match=setting):
       qwen_interop.save_model(LanguageModel(cfg, rngs=nnx.Rngs(0)), tmp_path / "refused")
+
+
+@pytest.mark.interop
+def test_load_model_names_what_does_not_fit(tmp_path):
+  """Without torch: a checkpoint written by save_model, then spoiled one way at a time."""
+  config = dict(hidden_size=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=4,
+                linear_value_head_dim=4, linear_conv_kernel_dim=4, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=8, num_hidden_layers=2, full_attention_interval=2, vocab_size=20, intermediate_size=24,
+                rms_norm_eps=1e-6, num_experts=0)
+  qwen_interop.save_model(LanguageModel(qwen_interop.model_config(config), rngs=nnx.Rngs(0)), tmp_path)
+  sd = read_safetensors(tmp_path)
+  qwen_interop.load_model(sd, config)
+  with pytest.raises(ValueError, match="model.layers.1.self_attn.extra"):
+    qwen_interop.load_model({**sd, "model.layers.1.self_attn.extra": np.zeros(2)}, config)
+  with pytest.raises(ValueError, match="vision.proj"):
+    qwen_interop.load_model({**sd, "vision.proj": np.zeros(2)}, config)
+  with pytest.raises(KeyError, match="model.layers.0.mlp.up_proj.weight"):
+    qwen_interop.load_model({k: v for k, v in sd.items() if k != "model.layers.0.mlp.up_proj.weight"}, config)
+  with pytest.raises(KeyError, match="lm_head.weight"):
+    qwen_interop.load_model({k: v for k, v in sd.items() if k != "lm_head.weight"}, config)
+  with pytest.raises(ValueError, match="config is needed"):
+    qwen_interop.load_model(sd)
+  with pytest.raises(ValueError, match="hidden_act"):
+    fla_interop.model_config(dict(hidden_size=16, num_hidden_layers=1, num_heads=2, head_dim=8, vocab_size=20,
+                                  hidden_act="gelu"))
 
 
 # Without torch: the mapping, and errors that name what is wrong.

@@ -70,7 +70,8 @@ def test_load_balancing_loss():
   moe(jax.random.normal(jax.random.key(0), (2, 5, D)), stats)
   assert abs(float(load_balancing_loss(stats, 4)) - 2.0) < 1e-6  # uniform probabilities: top_k
   # Two layers: f and P averaged over layers, then E * sum f P (transformers' Qwen3-Next formula).
-  stats = [(jnp.array([2.0, 0, 0, 0]), jnp.array([1.0, 0, 0, 0])), (jnp.array([0, 2.0, 0, 0]), jnp.array([0, 1.0, 0, 0]))]
+  stats = [(jnp.array([2.0, 0, 0, 0]), jnp.array([1.0, 0, 0, 0])),
+           (jnp.array([0, 2.0, 0, 0]), jnp.array([0, 1.0, 0, 0]))]
   assert abs(float(load_balancing_loss(stats, 4)) - 4 * (1.0 * 0.5 + 1.0 * 0.5)) < 1e-6
   assert float(load_balancing_loss([], 4)) == 0.0
 

@@ -152,7 +152,8 @@ def _settings(cfg: ModelConfig) -> dict:
     if f.name in FREE or not used:
       continue
     if dataclasses.is_dataclass(value):
-      out.update({f"{f.name}.{g.name}": getattr(value, g.name) for g in dataclasses.fields(value) if g.name not in FREE})
+      out.update({f"{f.name}.{g.name}": getattr(value, g.name) for g in dataclasses.fields(value)
+                  if g.name not in FREE})
     else:
       out[f.name] = value
   out["pattern"], out["mlp_pattern"] = cfg.layer_kinds, cfg.mlp_kinds  # as expanded per layer
@@ -189,7 +190,8 @@ def save(path, tensors: dict, config: dict) -> None:
 def common_tensors(model: LanguageModel, p: dict, layout: Layout) -> dict:
   """Embeddings, final norm and (untied) head under the source's names."""
   minus = (lambda w: w - 1.0) if layout.plus_one else (lambda w: w)
-  out = {layout.embed + "weight": p[("embed", "embedding")], layout.final_norm + "weight": minus(p[("final_norm", "weight")])}
+  out = {layout.embed + "weight": p[("embed", "embedding")],
+         layout.final_norm + "weight": minus(p[("final_norm", "weight")])}
   if not model.cfg.tie_embeddings:
     out[layout.head] = p[("lm_head", "kernel")].T
   return out

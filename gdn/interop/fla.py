@@ -280,8 +280,9 @@ def _attention_params(t: Tensors, cfg: ModelConfig) -> dict:
   """fla's standard `Attention`: q/k/v projections (biases with qkv_bias), o_proj without a bias (ours: zero)."""
   a, D = cfg.attention, cfg.d_model
   N, G, E = a.num_heads, a.KVH, a.head_dim
-  p = {"q_proj": linear(t, "q_proj", D, N * E, bias=a.proj_bias), "k_proj": linear(t, "k_proj", D, G * E, bias=a.proj_bias),
-       "v_proj": linear(t, "v_proj", D, G * E, bias=a.proj_bias), "o_proj": linear(t, "o_proj", N * E, D)}
+  p = {n: linear(t, n, D, rows, bias=a.proj_bias) for n, rows in (("q_proj", N * E), ("k_proj", G * E),
+                                                                   ("v_proj", G * E))}
+  p["o_proj"] = linear(t, "o_proj", N * E, D)
   if a.proj_bias:
     p["o_proj"]["bias"] = np.zeros((D,), np.float32)
   t.check_consumed()

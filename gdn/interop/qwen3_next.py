@@ -323,7 +323,8 @@ def save_model(model: LanguageModel, path) -> dict:
     sub = {"input_layernorm.weight": p[b + ("mixer_norm", "weight")] - 1.0,
            "post_attention_layernorm.weight": p[b + ("mlp_norm", "weight")] - 1.0}
     if kind == "recurrent":
-      sub.update({f"linear_attn.{k}": v for k, v in _gated_deltanet_tensors(p, b + ("mixer",), cfg.recurrent, D).items()})
+      mixer = _gated_deltanet_tensors(p, b + ("mixer",), cfg.recurrent, D)
+      sub.update({f"linear_attn.{k}": v for k, v in mixer.items()})
     else:
       for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
         sub.update(causal_lm.linear_tensors(p, b + ("mixer", n), f"self_attn.{n}"))
