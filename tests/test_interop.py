@@ -289,12 +289,11 @@ def check_model(torch, theirs, ours, vocab, T=13, new_tokens=6):
 
 
 FLA_MODELS = {
-    "gdn": dict(num_heads=2, head_dim=8, expand_v=2.0, num_hidden_layers=2, tie_word_embeddings=True),
     "hybrid": dict(num_heads=2, num_v_heads=4, head_dim=8, expand_v=1.0, num_hidden_layers=3, hidden_ratio=2,
                    attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2, "rope_theta": 5e4}),
-    "hybrid_window_no_gate": dict(num_heads=2, head_dim=8, num_hidden_layers=3, use_gate=False, intermediate_size=40,
-                                  attn=[{"layers": [0], "num_heads": 2, "window_size": 4},
-                                        {"layers": [2], "num_heads": 2, "window_size": 4}]),
+    "tied_window_no_gate": dict(num_heads=2, head_dim=8, num_hidden_layers=3, use_gate=False, intermediate_size=40,
+                                tie_word_embeddings=True, attn=[{"layers": [0], "num_heads": 2, "window_size": 4},
+                                                                {"layers": [2], "num_heads": 2, "window_size": 4}]),
 }
 
 
@@ -523,13 +522,13 @@ def test_qwen3_next_from_a_sharded_checkpoint(torch, hf_qwen3_next, tmp_path):
 
 
 QWEN_MODELS = {
-    "dense": dict(num_hidden_layers=4, full_attention_interval=2, tie_word_embeddings=True),
     "moe_yarn": dict(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                      shared_expert_intermediate_size=24, mlp_only_layers=[1],
                      rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8,
                                           rope_theta=1e4, partial_rotary_factor=0.5)),
-    "moe_no_renorm": dict(num_hidden_layers=2, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=8,
-                          shared_expert_intermediate_size=8, norm_topk_prob=False, decoder_sparse_step=2),
+    "tied_moe_no_renorm": dict(num_hidden_layers=2, full_attention_interval=2, tie_word_embeddings=True, num_experts=3,
+                               num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=8,
+                               norm_topk_prob=False, decoder_sparse_step=2),
 }
 
 
@@ -548,7 +547,7 @@ def test_qwen3_next_causal_lm(torch, hf_qwen3_next, tmp_path, case):
                                        for t in hf_config.layer_types)
   check_model(torch, theirs, ours, 50)
   same_checkpoint(qwen_interop.save_model(ours, tmp_path / "back"), tmp_path, tmp_path / "back")
-  if case == "moe_no_renorm":  # transformers' in-memory form: fused gate_up_proj, and an mtp head to skip
+  if case == "tied_moe_no_renorm":  # transformers' in-memory form: fused gate_up_proj, and an mtp head to skip
     sd = {**theirs.state_dict(), "mtp.fc.weight": torch.zeros(2, 2)}
     tokens = jnp.asarray(np.arange(10)[None])
     np.testing.assert_array_equal(np.asarray(qwen_interop.load_model(sd, hf_config)(tokens)),
