@@ -47,12 +47,9 @@ class Parts:
   def __init__(self, arrays: Mapping, prefix: str):
     self.arrays, self.prefix, self.used, self.handed = dict(arrays), prefix, [], []
 
-  def __contains__(self, sub: str) -> bool:
-    return any(k.startswith(sub) for k in self.arrays)
-
   def tensors(self, sub: str) -> Tensors:
     self.used.append(sub)
-    t = Tensors(self.arrays, sub)
+    t = Tensors(self.arrays, sub, name=f"checkpoint layer {self.prefix!r}")
     t.prefix = self.prefix + sub  # errors name the full checkpoint key
     self.handed.append(t)
     return t
@@ -92,6 +89,12 @@ def load(source, cfg: ModelConfig, layout: Layout, layer_params: Callable[[Parts
   """Our LanguageModel(cfg) filled from `source` (a mapping or a safetensors path): `layer_params(parts, i)` gives
   block i's {"mixer_norm", "mixer", "mlp_norm", "mlp"}; every tensor must find its place."""
   keys = source_keys(source)
+  known = (layout.embed, layout.final_norm, layout.head) + layout.ignore
+  layers = tuple(layout.layer.format(i) for i in range(cfg.num_layers))
+  left = [k for k in keys if not k.startswith(known + layers)]  # before reading any tensor: fail fast
+  if left:
+    raise ValueError(f"checkpoint tensors with no counterpart in our model: {left[:20]}"
+                     + (f" and {len(left) - 20} more" if len(left) > 20 else ""))
   V, D = cfg.vocab_size, cfg.d_model
   read = (lambda prefix: read_safetensors(source, prefix)) if isinstance(source, (str, os.PathLike)) else (
       lambda prefix: {k[len(prefix):]: v for k, v in source.items() if isinstance(k, str) and k.startswith(prefix)})
@@ -123,11 +126,6 @@ def load(source, cfg: ModelConfig, layout: Layout, layer_params: Callable[[Parts
     if layout.head not in keys:
       raise KeyError(f"checkpoint is missing {layout.head!r} (the config does not tie the embeddings)")
     params["lm_head"] = {"kernel": part(layout.head).take("", (V, D)).T}
-  known = (layout.embed, layout.final_norm, layout.head) + layout.ignore
-  layers = tuple(layout.layer.format(i) for i in range(cfg.num_layers))
-  left = [k for k in keys if not k.startswith(known + layers)]
-  if left:
-    raise ValueError(f"checkpoint tensors with no counterpart in our model: {left}")
   return assign(LanguageModel(cfg, rngs=nnx.Rngs(0)), params)
 
 
