@@ -54,8 +54,13 @@ def dense_reference(moe: MoE, x):
 def test_moe_equals_the_dense_reference(cfg):
   moe = MoE(cfg, D, init_std=0.3, rngs=nnx.Rngs(1))
   x = jax.random.normal(jax.random.key(2), (3, 7, D))
-  stats = []
-  y = moe(x, stats)
+
+  @nnx.jit
+  def forward(moe, x):  # one compile is cheaper than the eager ops
+    stats = []
+    return moe(x, stats), stats
+
+  y, stats = forward(moe, x)
   assert y.shape == x.shape
   np.testing.assert_allclose(np.asarray(y).reshape(-1, D), dense_reference(moe, x), rtol=2e-5, atol=2e-6)
   (f, P), = stats
@@ -89,14 +94,19 @@ def test_moe_model_layers_decoding_and_aux_loss():
   assert [type(b.mlp).__name__ for b in model.blocks] == ["MoE", "SwiGLU", "MoE"]
   model = LanguageModel(moe_model_cfg("AA"), rngs=nnx.Rngs(0))  # cheaper for the decoding check
   tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
-  logits, aux = model(tokens, return_aux_loss=True)
-  np.testing.assert_array_equal(np.asarray(logits), np.asarray(model(tokens)))
+
+  @nnx.jit
+  def run(model, tokens):
+    logits, aux = model(tokens, return_aux_loss=True)
+    prefill, cache = model.prefill(tokens[:, :7], model.init_cache(2, 12))
+    step, _ = model.decode_step(tokens[:, 7:8], cache)
+    return logits, aux, model(tokens), prefill, step
+
+  logits, aux, plain, prefill, step = run(model, tokens)
+  np.testing.assert_array_equal(np.asarray(logits), np.asarray(plain))
   assert 1.0 < float(aux) < 4.0  # top_k = 2 when balanced; routing at init is nearly uniform
-  cache = model.init_cache(2, 12)
-  prefill, cache = model.prefill(tokens[:, :7], cache)
-  steps = [model.decode_step(tokens[:, t:t + 1], cache) for t in range(7, 8)]
   np.testing.assert_allclose(np.asarray(prefill), np.asarray(logits[:, :7]), rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(steps[0][0][:, 0]), np.asarray(logits[:, 7]), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(step[:, 0]), np.asarray(logits[:, 7]), rtol=1e-4, atol=1e-5)
 
 
 def test_aux_loss_is_in_the_training_loss():
