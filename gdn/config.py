@@ -2,7 +2,8 @@
 
 A model is a stack of layers given by `ModelConfig.pattern`, one letter per layer, repeated cyclically to
 `num_layers`: "R" a recurrent mixer of the delta-rule family (`RecurrentConfig`), "A" global softmax attention,
-"W" sliding-window softmax attention (`AttentionConfig`). "RRRA" is the 3:1 hybrid.
+"W" sliding-window softmax attention (`AttentionConfig`). "RRRA" is the 3:1 hybrid. `ModelConfig.mlp_pattern`
+likewise picks each layer's MLP: "D" dense SwiGLU, "M" sparse mixture of experts (`MoEConfig`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ BETAS = ("none", "head", "channel")
 OUTPUT_GATES = ("none", "silu", "sigmoid")
 QK_NORMS = ("none", "l2")
 LAYER_KINDS = {"R": "recurrent", "A": "attention", "W": "sliding_window"}
+MLP_KINDS = {"D": "dense", "M": "moe"}
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -117,6 +119,14 @@ class AttentionConfig:
   qk_norm: bool = False  # RMSNorm on q and k per head
   proj_bias: bool = False  # biases on the q, k, v and o projections (Qwen3-Next's attention_bias=True)
   implementation: str = "auto"  # jax.nn.dot_product_attention backend: "auto" (cuDNN for 16-bit on GPU), "xla", "cudnn"
+  # RoPE scaling (gdn.layers.rope): "none", or "yarn" (arXiv:2309.00071) with the fields below.
+  rope_scaling: str = "none"
+  rope_factor: float = 1.0  # context extension factor: the slow frequencies are divided by it
+  rope_original_max_len: int = 0  # the context length trained with plain RoPE (yarn needs it)
+  rope_beta_fast: float = 32.0  # dims turning more than beta_fast times over that length keep their frequency
+  rope_beta_slow: float = 1.0  # dims turning fewer than beta_slow times are fully interpolated
+  rope_attention_factor: Optional[float] = None  # cos/sin magnitude; None: 0.1 ln(rope_factor) + 1
+  rope_truncate: bool = True  # round the ramp's ends to whole dims
 
   def __post_init__(self):
     _positive("num_heads", self.num_heads)
@@ -129,10 +139,43 @@ class AttentionConfig:
       raise ValueError(f"window must be >= 0, got {self.window}")
     _choice("output_gate", self.output_gate, ("none", "sigmoid"))
     _choice("implementation", self.implementation, ("auto", "xla", "cudnn"))
+    _choice("rope_scaling", self.rope_scaling, ("none", "yarn"))
+    if self.rope_scaling == "yarn":
+      if not self.rope_factor >= 1.0:
+        raise ValueError(f"rope_factor must be >= 1 for rope_scaling='yarn', got {self.rope_factor}")
+      _positive("rope_original_max_len", self.rope_original_max_len)
+      if not self.rope_beta_fast > self.rope_beta_slow > 0:
+        raise ValueError(f"rope_beta_fast > rope_beta_slow > 0 is needed, got {self.rope_beta_fast}, "
+                         f"{self.rope_beta_slow}")
 
   @property
   def KVH(self) -> int:
     return self.num_kv_heads or self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """A sparse mixture-of-experts SwiGLU MLP (`gdn.layers.moe`), used by the layers that `ModelConfig.mlp_pattern`
+  marks "M": a softmax router picks top_k of num_experts per token; an optional shared expert (with a sigmoid
+  gate) sees every token."""
+  num_experts: int = 8
+  top_k: int = 2
+  hidden: int = 64  # each expert's SwiGLU width
+  shared_hidden: int = 0  # the shared expert's width; 0: none
+  shared_gate: bool = True  # scale the shared expert by sigmoid(x . w) (Qwen3-Next)
+  norm_topk: bool = True  # renormalise the top_k probabilities to sum to one
+  aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the training loss
+
+  def __post_init__(self):
+    _positive("num_experts", self.num_experts)
+    _positive("top_k", self.top_k)
+    _positive("hidden", self.hidden)
+    if self.top_k > self.num_experts:
+      raise ValueError(f"top_k must be <= num_experts={self.num_experts}, got {self.top_k}")
+    if not isinstance(self.shared_hidden, int) or self.shared_hidden < 0:
+      raise ValueError(f"shared_hidden must be an int >= 0 (0: no shared expert), got {self.shared_hidden!r}")
+    if not self.aux_loss_coef >= 0:
+      raise ValueError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +191,9 @@ class ModelConfig:
   norm_eps: float = 1e-6
   init_std: float = 0.02
   dtype: str = "float32"  # compute dtype ("float32" | "bfloat16"); parameters stay float32
+  mlp_hidden: Optional[int] = None  # the dense SwiGLU's width; None: from mlp_ratio
+  mlp_pattern: str = "D"  # one letter per layer, cyclic like pattern: "D" dense SwiGLU, "M" MoE (`moe`)
+  moe: MoEConfig = MoEConfig()
 
   def __post_init__(self):
     _positive("vocab_size", self.vocab_size)
@@ -159,11 +205,23 @@ class ModelConfig:
     if "W" in self.pattern and self.attention.window < 1:
       raise ValueError("pattern has sliding-window layers 'W' but attention.window is 0")
     _choice("dtype", self.dtype, ("float32", "bfloat16"))
+    if self.mlp_hidden is not None:
+      _positive("mlp_hidden", self.mlp_hidden)
+    if not self.mlp_pattern or set(self.mlp_pattern) - set(MLP_KINDS):
+      raise ValueError(f"mlp_pattern must be a non-empty string of {sorted(MLP_KINDS)} (D dense, M mixture of "
+                       f"experts), got {self.mlp_pattern!r}")
+    if getattr(self, "scan_layers", False) and "moe" in self.mlp_kinds:
+      raise ValueError("scan_layers does not support MoE layers (mlp_pattern with 'M'): set scan_layers=False")
 
   @property
   def layer_kinds(self) -> tuple:
     """One of "recurrent", "attention", "sliding_window" per layer."""
     return tuple(LAYER_KINDS[self.pattern[i % len(self.pattern)]] for i in range(self.num_layers))
+
+  @property
+  def mlp_kinds(self) -> tuple:
+    """"dense" or "moe" per layer."""
+    return tuple(MLP_KINDS[self.mlp_pattern[i % len(self.mlp_pattern)]] for i in range(self.num_layers))
 
 
 # Named mixer baselines: one mechanism (switches on RecurrentConfig), no copied code.

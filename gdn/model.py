@@ -13,6 +13,7 @@ from flax import nnx
 from gdn.config import ModelConfig
 from gdn.layers.attention import Attention
 from gdn.layers.mlp import SwiGLU, hidden_size
+from gdn.layers.moe import MoE, load_balancing_loss
 from gdn.layers.norms import RMSNorm
 from gdn.layers.recurrent import RecurrentMixer
 
@@ -22,7 +23,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 class Block(nnx.Module):
   """x + mixer(norm(x)), then x + mlp(norm(x))."""
 
-  def __init__(self, cfg: ModelConfig, kind: str, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, kind: str, *, rngs: nnx.Rngs, mlp_kind: str = "dense"):
     dtype = DTYPES[cfg.dtype]
     # Each block adds two residual branches; scaling their output projections by 1/sqrt(2 * num_layers) keeps
     # the residual stream's variance independent of depth (as GPT-2 does; fla's "rescale" option divides its
@@ -39,15 +40,20 @@ class Block(nnx.Module):
     else:
       raise ValueError(f"kind must be 'recurrent', 'attention' or 'sliding_window', got {kind!r}")
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-    self.mlp = SwiGLU(cfg.d_model, hidden_size(cfg.d_model, cfg.mlp_ratio), **common)
+    if mlp_kind == "moe":
+      self.mlp = MoE(cfg.moe, cfg.d_model, **common)
+    else:
+      self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden or hidden_size(cfg.d_model, cfg.mlp_ratio), **common)
 
   def init_cache(self, batch: int, max_len: int):
     return self.mixer.init_cache(batch, max_len)
 
-  def __call__(self, x, *, segment_ids=None, cache=None, context_axis=None):
+  def __call__(self, x, *, segment_ids=None, cache=None, context_axis=None, router_stats=None):
+    """router_stats: None, or a list to which an MoE MLP appends its routing statistics."""
     h, cache = self.mixer(self.mixer_norm(x), segment_ids=segment_ids, cache=cache, context_axis=context_axis)
     x = x + h
-    return x + self.mlp(self.mlp_norm(x)), cache
+    h = self.mlp_norm(x)
+    return x + (self.mlp(h, router_stats) if isinstance(self.mlp, MoE) else self.mlp(h)), cache
 
 
 class LanguageModel(nnx.Module):
@@ -72,24 +78,27 @@ class LanguageModel(nnx.Module):
     dtype = DTYPES[cfg.dtype]
     init = nnx.initializers.normal(cfg.init_std)
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=dtype, rngs=rngs)
-    self.blocks = nnx.List([Block(cfg, kind, rngs=rngs) for kind in cfg.layer_kinds])
+    self.blocks = nnx.List([Block(cfg, kind, rngs=rngs, mlp_kind=mlp_kind)
+                            for kind, mlp_kind in zip(cfg.layer_kinds, cfg.mlp_kinds)])
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
     self.lm_head = (None if cfg.tie_embeddings else
                     nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, kernel_init=init, dtype=dtype,
                                rngs=rngs))
 
-  def __call__(self, tokens, *, segment_ids=None, context_axis=None):
+  def __call__(self, tokens, *, segment_ids=None, context_axis=None, return_aux_loss: bool = False):
     """tokens [B, T] -> logits [B, T, Vocab]. context_axis: None, or the name of a mesh axis over which the
     sequence is split, when called inside a `shard_map` over it: tokens and segment_ids are then this device's
-    slice [B, T / D] (device d holding positions [d T / D, (d + 1) T / D)), and so are the logits."""
+    slice [B, T / D] (device d holding positions [d T / D, (d + 1) T / D)), and so are the logits.
+    return_aux_loss: return (logits, the MoE layers' load-balancing loss), 0 without MoE layers."""
     self._check_tokens(tokens)
     if segment_ids is not None:
       if segment_ids.shape != tokens.shape:
         raise ValueError(f"segment_ids must be [B, T] = {tokens.shape}, got {segment_ids.shape}")
       if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise TypeError(f"segment_ids must be an integer array, got dtype {segment_ids.dtype}")
-    logits, _ = self._run(tokens, segment_ids, None, context_axis)
-    return logits
+    stats = [] if return_aux_loss else None
+    logits, _ = self._run(tokens, segment_ids, None, context_axis, stats)
+    return (logits, load_balancing_loss(stats, self.cfg.moe.num_experts)) if return_aux_loss else logits
 
   def init_cache(self, batch: int, max_len: int) -> tuple:
     """One cache per layer: RecurrentCache (conv state, S) or KVCache; max_len bounds prompt + generated tokens."""
@@ -113,11 +122,12 @@ class LanguageModel(nnx.Module):
     self._check_cache(cache)
     return self._run(tokens, None, cache)
 
-  def _run(self, tokens, segment_ids, cache, context_axis=None):
+  def _run(self, tokens, segment_ids, cache, context_axis=None, router_stats=None):
     x = self.embed(tokens)
     new_cache = []
     for i, block in enumerate(self.blocks):
-      x, c = block(x, segment_ids=segment_ids, cache=None if cache is None else cache[i], context_axis=context_axis)
+      x, c = block(x, segment_ids=segment_ids, cache=None if cache is None else cache[i], context_axis=context_axis,
+                   router_stats=router_stats)
       new_cache.append(c)
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)

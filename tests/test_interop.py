@@ -9,17 +9,19 @@ import glob
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from gdn.config import recurrent_preset
+from gdn.config import ModelConfig, recurrent_preset
 from gdn.interop import fla as fla_interop
 from gdn.interop import qwen3_next as qwen_interop
 from gdn.interop import seed
 from gdn.interop.state_dict import Tensors, read_safetensors
 from gdn.layers.recurrent import RecurrentMixer
+from gdn.model import LanguageModel
 
 TOL = 1e-5
 SEED_GLOB = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "seeds", "000_*.txt")
@@ -228,6 +230,107 @@ def test_fla_model_config_and_prefix(torch, fla_layer_on_cpu):
   assert rel_err(run(ours, x), y) <= TOL
 
 
+@pytest.fixture
+def fla_model_on_cpu(torch, monkeypatch, fla_layer_on_cpu):
+  """fla's GatedDeltaNetForCausalLM on CPU: its GatedDeltaNet layers as `fla_layer_on_cpu`; its standard attention
+  through torch's softmax attention in place of flash-attn (causal, GQA, the (window - 1, 0) window), fla's
+  `rotary_embedding_ref` for RoPE and SiLU(gate) * up for the MLP (fla's configs with fuse_norm / fuse_swiglu off
+  take torch's RMSNorm and this unfused path)."""
+  import torch.nn.functional as F
+  from fla.layers import attn as attn_module
+  from fla.modules import mlp as mlp_module
+  from fla.modules.rotary import ops as rotary_ops
+
+  def flash_attn_func(q, k, v, causal=True, window_size=(-1, -1), **unused):
+    assert causal
+    T, G = q.shape[1], q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
+    i = torch.arange(T)
+    ok = i[None, :] <= i[:, None]
+    if window_size[0] >= 0:
+      ok &= i[:, None] - i[None, :] <= window_size[0]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=ok)
+    return o.transpose(1, 2)
+
+  def rotary(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, **unused):
+    assert cu_seqlens is None
+    T = x.shape[1]
+    return rotary_ops.rotary_embedding_ref(x, cos[seqlen_offsets:seqlen_offsets + T],
+                                           sin[seqlen_offsets:seqlen_offsets + T], interleaved)
+
+  monkeypatch.setattr(attn_module, "flash_attn_func", flash_attn_func)
+  monkeypatch.setattr(rotary_ops, "rotary_embedding", rotary)
+  monkeypatch.setattr(mlp_module, "swiglu", lambda gate, y: F.silu(gate) * y)
+  from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+  return GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+
+def greedy_torch(torch, theirs, prompt, n):
+  """Greedy decoding of the torch model by full forwards (no attention mask, which fla would turn into packed
+  sequences, and no cache, which needs its Triton decoding kernels)."""
+  tokens = torch.as_tensor(np.asarray(prompt))
+  with torch.no_grad():
+    for _ in range(n):
+      nxt = theirs(tokens, use_cache=False).logits[:, -1].argmax(-1)
+      tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+  return tokens.numpy()
+
+
+def check_model(torch, theirs, ours, vocab, T=13, new_tokens=6):
+  """Logits equal on random tokens; greedy continuations equal token for token."""
+  from gdn.generate import generate
+
+  tokens = np.random.default_rng(T).integers(0, vocab, size=(2, T))
+  with torch.no_grad():
+    y = theirs(torch.as_tensor(tokens), use_cache=False).logits
+  assert rel_err(ours(jnp.asarray(tokens)), y) <= TOL
+  out = generate(ours, jnp.asarray(tokens[:, :5]), new_tokens, rng=None, temperature=0.0)
+  np.testing.assert_array_equal(np.asarray(out), greedy_torch(torch, theirs, tokens[:, :5], new_tokens))
+
+
+FLA_MODELS = {
+    "hybrid": dict(num_heads=2, num_v_heads=4, head_dim=8, expand_v=1.0, num_hidden_layers=3, hidden_ratio=2,
+                   attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2, "rope_theta": 5e4}),
+    "tied_window_no_gate": dict(num_heads=2, head_dim=8, num_hidden_layers=3, use_gate=False, intermediate_size=40,
+                                tie_word_embeddings=True, attn=[{"layers": [0], "num_heads": 2, "window_size": 4},
+                                                                {"layers": [2], "num_heads": 2, "window_size": 4}]),
+}
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("case", sorted(FLA_MODELS))
+def test_fla_causal_lm(torch, fla_model_on_cpu, tmp_path, case):
+  config_class, model_class = fla_model_on_cpu
+  hf_config = config_class(hidden_size=32, vocab_size=50, fuse_norm=False, fuse_swiglu=False, norm_eps=1e-6,
+                           **FLA_MODELS[case])
+  torch.manual_seed(3)
+  theirs = randomize(torch, model_class(hf_config))
+  theirs.save_pretrained(tmp_path)  # safetensors and config.json, as a published checkpoint
+  ours = fla_interop.load_model(str(tmp_path))
+  assert ours.cfg.pattern == "".join("A" if "Attention" == type(l.attn).__name__ else "R" for l in theirs.model.layers
+                                     ).replace("A", "W" if "window" in case else "A")
+  check_model(torch, theirs, ours, 50)
+  same_checkpoint(fla_interop.save_model(ours, tmp_path / "back"), tmp_path, tmp_path / "back")
+
+
+@pytest.mark.interop
+def test_fla_export(torch, fla_model_on_cpu, tmp_path):
+  """A gdn model (a grouped-value hybrid with GQA attention, built here) saved for fla, which loads it with our
+  logits; what fla cannot hold is refused by name."""
+  _, model_class = fla_model_on_cpu
+  cfg = fla_interop.model_config(dict(FLA_MODELS["hybrid"], hidden_size=32, vocab_size=50, norm_eps=1e-6))
+  ours = perturbed(LanguageModel(cfg, rngs=nnx.Rngs(4)))
+  fla_interop.save_model(ours, tmp_path)
+  theirs = model_class.from_pretrained(tmp_path, fuse_norm=False, fuse_swiglu=False).eval()
+  check_model(torch, theirs, ours, 50)
+  refused = {"attention.output_gate": dict(attention=dataclasses.replace(cfg.attention, output_gate="sigmoid")),
+             "mlp_pattern": dict(mlp_pattern="M"),
+             "recurrent.beta": dict(recurrent=dataclasses.replace(cfg.recurrent, beta="channel"))}
+  for setting, change in refused.items():
+    with pytest.raises(ValueError, match=setting):
+      fla_interop.save_model(LanguageModel(dataclasses.replace(cfg, **change), rngs=nnx.Rngs(0)), tmp_path / "no")
+
+
 # fla's KimiDeltaAttention layer.
 
 
@@ -364,6 +467,32 @@ def test_qwen3_next_gated_attention(torch, hf_qwen3_next, kw):
   assert rel_err(run(ours, x), y) <= TOL
 
 
+YARN = [dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=262144),  # Qwen3-Next's published form
+        dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=64, beta_fast=16, beta_slow=2),
+        dict(type="yarn", factor=2.0, original_max_position_embeddings=32, attention_factor=1.3, truncate=False)]
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("rope", YARN)
+def test_qwen3_next_yarn_from_config_json_rope_scaling(torch, hf_qwen3_next, rope):
+  """config.json keeps YaRN under "rope_scaling" (theta beside it); transformers 5 reads it as rope_parameters."""
+  config_json = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                     rope_theta=1e6 if rope["original_max_position_embeddings"] > 1000 else 1e4,
+                     partial_rotary_factor=0.5, rope_scaling=rope)
+  ours = qwen_interop.attention_config(config_json)[0]
+  assert ours.rope_scaling == "yarn" and ours.rope_factor == rope["factor"]
+  hf_rope = {k: v for k, v in rope.items() if k != "type"}
+  hf_config = qwen3_next_config(rope_parameters=dict(hf_rope, rope_type="yarn", rope_theta=config_json["rope_theta"],
+                                                     partial_rotary_factor=0.5))
+  torch.manual_seed(7)
+  theirs = randomize(torch, hf_qwen3_next.Qwen3NextAttention(hf_config, layer_idx=3))
+  x = torch.randn(2, 40, 64)
+  y = hf_attention(torch, hf_qwen3_next, theirs, hf_config, x)
+  assert rel_err(run(qwen_interop.load_attention(theirs.state_dict(), config_json), x), y) <= TOL
+  plain = qwen_interop.load_attention(theirs.state_dict(), {**config_json, "rope_scaling": None})
+  assert rel_err(run(plain, x), y) > 1e-3  # the scaling matters at these sizes
+
+
 @pytest.mark.interop
 def test_qwen3_next_from_a_sharded_checkpoint(torch, hf_qwen3_next, tmp_path):
   """A decoder stack's layers from a sharded safetensors checkpoint, read through its index as from_pretrained
@@ -390,6 +519,103 @@ def test_qwen3_next_from_a_sharded_checkpoint(torch, hf_qwen3_next, tmp_path):
   ours_att = qwen_interop.load_attention(str(tmp_path), config_json, prefix="model.layers.3.self_attn.")
   assert rel_err(run(ours_gdn, x), y_gdn) <= TOL
   assert rel_err(run(ours_att, x), hf_attention(torch, hf_qwen3_next, att, hf_config, x)) <= TOL
+
+
+QWEN_MODELS = {
+    "moe_yarn": dict(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                     shared_expert_intermediate_size=24, mlp_only_layers=[1],
+                     rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8,
+                                          rope_theta=1e4, partial_rotary_factor=0.5)),
+    "tied_moe_no_renorm": dict(num_hidden_layers=2, full_attention_interval=2, tie_word_embeddings=True, num_experts=3,
+                               num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=8,
+                               norm_topk_prob=False, decoder_sparse_step=2),
+}
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("case", sorted(QWEN_MODELS))
+def test_qwen3_next_causal_lm(torch, hf_qwen3_next, tmp_path, case):
+  hf_config = qwen3_next_config(hidden_size=32, linear_key_head_dim=8, linear_value_head_dim=8, vocab_size=50,
+                                intermediate_size=40, **QWEN_MODELS[case])
+  torch.manual_seed(11)
+  theirs = randomize(torch, hf_qwen3_next.Qwen3NextForCausalLM(hf_config))
+  theirs.save_pretrained(tmp_path)  # published checkpoints' form: per-expert tensors, config.json beside them
+  ours = qwen_interop.load_model(str(tmp_path))
+  assert ours.cfg.mlp_kinds == tuple("moe" if type(l.mlp).__name__ == "Qwen3NextSparseMoeBlock" else "dense"
+                                     for l in theirs.model.layers)
+  assert ours.cfg.layer_kinds == tuple({"linear_attention": "recurrent", "full_attention": "attention"}[t]
+                                       for t in hf_config.layer_types)
+  check_model(torch, theirs, ours, 50)
+  same_checkpoint(qwen_interop.save_model(ours, tmp_path / "back"), tmp_path, tmp_path / "back")
+  if case == "tied_moe_no_renorm":  # transformers' in-memory form: fused gate_up_proj, and an mtp head to skip
+    sd = {**theirs.state_dict(), "mtp.fc.weight": torch.zeros(2, 2)}
+    tokens = jnp.asarray(np.arange(10)[None])
+    np.testing.assert_array_equal(np.asarray(qwen_interop.load_model(sd, hf_config)(tokens)),
+                                  np.asarray(ours(tokens)))
+
+
+def same_checkpoint(config, original, exported):
+  """Import then export gives back the checkpoint: the same tensor names and values ((1 + w) norms to rounding)."""
+  a, b = read_safetensors(original), read_safetensors(exported)
+  assert sorted(a) == sorted(b)
+  for k in a:
+    np.testing.assert_allclose(b[k], a[k], rtol=1e-6, atol=1e-7, err_msg=k)
+  theirs = json.loads((original / "config.json").read_text())
+  for k in ("vocab_size", "hidden_size", "num_hidden_layers", "tie_word_embeddings"):
+    assert config[k] == theirs[k]
+
+
+def perturbed(model, scale=0.2):
+  """Our model with every parameter moved off its init, as `randomize` does for torch modules."""
+  state = nnx.state(model, nnx.Param)
+  leaves, tree = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(0), len(leaves))
+  nnx.update(model, jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+  return model
+
+
+@pytest.mark.interop
+def test_qwen3_next_export(torch, hf_qwen3_next, tmp_path):
+  """A gdn model (an MoE hybrid with YaRN, built here) saved for transformers, which loads it with our logits."""
+  from transformers import Qwen3NextForCausalLM
+
+  hf_config = qwen3_next_config(hidden_size=32, linear_key_head_dim=8, linear_value_head_dim=8, vocab_size=50,
+                                intermediate_size=40, **QWEN_MODELS["moe_yarn"])
+  ours = perturbed(LanguageModel(qwen_interop.model_config(hf_config), rngs=nnx.Rngs(2)))
+  qwen_interop.save_model(ours, tmp_path)
+  theirs = Qwen3NextForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+  check_model(torch, theirs, ours, 50)
+  for bad, setting in ((dict(pattern="RW"), "pattern"), (dict(norm_eps=1e-5), "norm_eps")):
+    cfg = ModelConfig(**{**dict(vocab_size=50, d_model=32, num_layers=2, pattern="RA",
+                                attention=dataclasses.replace(ours.cfg.attention, window=4),
+                                recurrent=ours.cfg.recurrent), **bad})
+    with pytest.raises(ValueError, match=setting):
+      qwen_interop.save_model(LanguageModel(cfg, rngs=nnx.Rngs(0)), tmp_path / "refused")
+
+
+@pytest.mark.interop
+def test_load_model_names_what_does_not_fit(tmp_path):
+  """Without torch: a checkpoint written by save_model, then spoiled one way at a time."""
+  config = dict(hidden_size=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=4,
+                linear_value_head_dim=4, linear_conv_kernel_dim=4, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=8, num_hidden_layers=2, full_attention_interval=2, vocab_size=20, intermediate_size=24,
+                rms_norm_eps=1e-6, num_experts=0)
+  qwen_interop.save_model(LanguageModel(qwen_interop.model_config(config), rngs=nnx.Rngs(0)), tmp_path)
+  sd = read_safetensors(tmp_path)
+  qwen_interop.load_model(sd, config)
+  with pytest.raises(ValueError, match="model.layers.1.self_attn.extra"):
+    qwen_interop.load_model({**sd, "model.layers.1.self_attn.extra": np.zeros(2)}, config)
+  with pytest.raises(ValueError, match="vision.proj"):
+    qwen_interop.load_model({**sd, "vision.proj": np.zeros(2)}, config)
+  with pytest.raises(KeyError, match="model.layers.0.mlp.up_proj.weight"):
+    qwen_interop.load_model({k: v for k, v in sd.items() if k != "model.layers.0.mlp.up_proj.weight"}, config)
+  with pytest.raises(KeyError, match="lm_head.weight"):
+    qwen_interop.load_model({k: v for k, v in sd.items() if k != "lm_head.weight"}, config)
+  with pytest.raises(ValueError, match="config is needed"):
+    qwen_interop.load_model(sd)
+  with pytest.raises(ValueError, match="hidden_act"):
+    fla_interop.model_config(dict(hidden_size=16, num_hidden_layers=1, num_heads=2, head_dim=8, vocab_size=20,
+                                  hidden_act="gelu"))
 
 
 # Without torch: the mapping, and errors that name what is wrong.
@@ -511,9 +737,13 @@ def test_qwen3_next_qkvz_is_regrouped_by_head():
 def test_qwen3_next_config_fields_are_named():
   with pytest.raises(KeyError, match="linear_num_key_heads"):
     qwen_interop.gated_deltanet_config({"hidden_size": 8})
-  with pytest.raises(ValueError, match="rope_type"):
-    qwen_interop.attention_config({"hidden_size": 8, "num_attention_heads": 2, "rms_norm_eps": 1e-6,
-                                   "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+  attention = {"hidden_size": 8, "num_attention_heads": 2, "rms_norm_eps": 1e-6}
+  for key in ("rope_parameters", "rope_scaling"):
+    with pytest.raises(ValueError, match="'longrope'"):
+      qwen_interop.attention_config({**attention, key: {"rope_type": "longrope", "rope_theta": 1e4}})
+  with pytest.raises(ValueError, match="rope_original_max_len"):
+    qwen_interop.attention_config({**attention, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                                 "original_max_position_embeddings": 0}})
 
 
 @pytest.mark.interop

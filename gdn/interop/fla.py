@@ -16,15 +16,18 @@ bias (output_gate_rank V), o_norm = FusedRMSNormGated(V, activation="sigmoid"): 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdn.config import RecurrentConfig
+from gdn.config import AttentionConfig, ModelConfig, RecurrentConfig
+from gdn.interop import causal_lm
 from gdn.interop.state_dict import Tensors, assign, field, linear, target
+from gdn.layers.mlp import hidden_size
 from gdn.layers.recurrent import RecurrentMixer
+from gdn.model import LanguageModel
 
 LAYER_NORM_EPS = 1e-5  # the fla layers' default; fla's models pass config.norm_eps (1e-6 by default)
 GATES = {"swish": "silu", "silu": "silu", "sigmoid": "sigmoid"}
@@ -206,3 +209,163 @@ def load_kda(state_dict, *, prefix: str = "", module: Optional[RecurrentMixer] =
   cfg, d_model = kda_config(t, **config)
   module = target(module, lambda: RecurrentMixer(cfg, d_model, dtype=dtype, rngs=rngs or nnx.Rngs(0)), cfg, d_model)
   return assign(module, kda_params(t, cfg, d_model))
+
+
+# Whole models: fla's GatedDeltaNetForCausalLM, its hybrids with standard attention layers included.
+
+FLA_LAYOUT = causal_lm.Layout(embed="model.embeddings.", final_norm="model.norm.", layer="model.layers.{}.",
+                              plus_one=False)
+
+
+def _attention_spec(fla_config) -> Optional[dict]:
+  """fla's `attn` field (one spec or a list) as one spec and its layers; the specs must agree but for layers."""
+  attn = field(fla_config, "attn", None)
+  if not attn:
+    return None
+  specs = [attn] if isinstance(attn, Mapping) else list(attn)
+  settings = lambda s: {k: s.get(k, d) for k, d in (("num_heads", None), ("num_kv_heads", None),
+                                                     ("qkv_bias", False), ("window_size", None),
+                                                     ("rope_theta", 10000.0))}
+  if any(settings(s) != settings(specs[0]) for s in specs):
+    raise ValueError(f"fla_config.attn: attention layers with different settings are not supported "
+                     f"(one AttentionConfig per model), got {specs}")
+  return dict(settings(specs[0]), layers=sorted(i for s in specs for i in s["layers"]))
+
+
+def mlp_hidden(fla_config) -> int:
+  """fla's GatedMLP width: intermediate_size, else 2/3 * hidden_ratio * hidden_size rounded up to 256."""
+  size = field(fla_config, "intermediate_size", None)
+  if size is None:
+    size = int(field(fla_config, "hidden_size") * field(fla_config, "hidden_ratio", 4) * 2 / 3)
+    size = 256 * -(-size // 256)
+  return size
+
+
+def model_config(fla_config, **overrides) -> ModelConfig:
+  """Our ModelConfig of an fla `GatedDeltaNetForCausalLM` from its `GatedDeltaNetConfig` or config.json dict.
+  `overrides`: our RecurrentConfig fields fla has no counterpart for (method, chunk_size)."""
+  for name in ("attnres_block_size",):
+    if field(fla_config, name, None) is not None:
+      raise ValueError(f"fla_config.{name}={field(fla_config, name)!r}: attention residuals are not supported")
+  act = field(fla_config, "hidden_act", "swish")
+  if act not in ("swish", "silu"):
+    raise ValueError(f"fla_config.hidden_act={act!r}: our MLP is SwiGLU (swish)")
+  gate_act = field(fla_config, "output_gate_activation", "swish")
+  if gate_act not in GATES:
+    raise ValueError(f"fla_config.output_gate_activation must be one of {tuple(GATES)}, got {gate_act!r}")
+  D, L, H, K = (field(fla_config, n) for n in ("hidden_size", "num_hidden_layers", "num_heads", "head_dim"))
+  conv = bool(field(fla_config, "use_short_conv", True))
+  eps = float(field(fla_config, "norm_eps", 1e-6))
+  rec = RecurrentConfig(num_heads=H, num_v_heads=field(fla_config, "num_v_heads", None), head_dim=K,
+                        v_head_dim=int(K * field(fla_config, "expand_v", 2.0)), decay="head", beta="head",
+                        allow_neg_eigval=bool(field(fla_config, "allow_neg_eigval", False)), short_conv=conv,
+                        conv_size=field(fla_config, "conv_size", 4), silu_without_conv=not conv,
+                        output_gate=GATES[gate_act] if field(fla_config, "use_gate", True) else "none",
+                        output_norm=True, qk_norm="l2", norm_eps=eps, **overrides)
+  spec = _attention_spec(fla_config)
+  pattern, attention = "R" * L, AttentionConfig()
+  if spec is not None:
+    letter = "W" if spec["window_size"] else "A"
+    pattern = "".join(letter if i in spec["layers"] else "R" for i in range(L))
+    N = spec["num_heads"]
+    attention = AttentionConfig(num_heads=N, num_kv_heads=spec["num_kv_heads"], head_dim=D // N,
+                                rope_theta=float(spec["rope_theta"]), window=spec["window_size"] or 0,
+                                proj_bias=bool(spec["qkv_bias"]))
+  return ModelConfig(vocab_size=field(fla_config, "vocab_size"), d_model=D, num_layers=L, pattern=pattern,
+                     recurrent=rec, attention=attention, mlp_hidden=mlp_hidden(fla_config),
+                     tie_embeddings=bool(field(fla_config, "tie_word_embeddings", False)), norm_eps=eps)
+
+
+def _attention_params(t: Tensors, cfg: ModelConfig) -> dict:
+  """fla's standard `Attention`: q/k/v projections (biases with qkv_bias), o_proj without a bias (ours: zero)."""
+  a, D = cfg.attention, cfg.d_model
+  N, G, E = a.num_heads, a.KVH, a.head_dim
+  p = {n: linear(t, n, D, rows, bias=a.proj_bias) for n, rows in (("q_proj", N * E), ("k_proj", G * E),
+                                                                   ("v_proj", G * E))}
+  p["o_proj"] = linear(t, "o_proj", N * E, D)
+  if a.proj_bias:
+    p["o_proj"]["bias"] = np.zeros((D,), np.float32)
+  t.check_consumed()
+  return p
+
+
+def load_model(source, fla_config=None, **overrides) -> LanguageModel:
+  """Our `LanguageModel` holding an fla `GatedDeltaNetForCausalLM` (hybrids with standard attention layers too).
+
+  source: a checkpoint folder (safetensors with its config.json, as `save_pretrained` writes it), a safetensors
+  file or index, or the model's `state_dict()`; fla_config: its `GatedDeltaNetConfig` or config.json dict
+  (read from the folder when None). `overrides`: as `model_config`.
+  """
+  fla_config = causal_lm.read_config(source, fla_config)
+  cfg = model_config(fla_config, **overrides)
+  D = cfg.d_model
+
+  def layer(parts, i):
+    kind = cfg.layer_kinds[i]
+    mixer = (mixer_params(parts.tensors("attn."), cfg.recurrent, D) if kind == "recurrent" else
+             _attention_params(parts.tensors("attn."), cfg))
+    return {"mixer_norm": causal_lm.norm_params(parts.tensors("attn_norm."), D, plus_one=False), "mixer": mixer,
+            "mlp_norm": causal_lm.norm_params(parts.tensors("mlp_norm."), D, plus_one=False),
+            "mlp": causal_lm.swiglu_params(parts.tensors("mlp."), D, cfg.mlp_hidden)}
+
+  return causal_lm.load(source, cfg, FLA_LAYOUT, layer)
+
+
+def fla_config_dict(cfg: ModelConfig) -> dict:
+  """The config.json of the fla `GatedDeltaNetForCausalLM` closest to `cfg` (`save_model` checks that it is
+  exact)."""
+  rec, att, kinds = cfg.recurrent, cfg.attention, cfg.layer_kinds
+  out = dict(architectures=["GatedDeltaNetForCausalLM"], model_type="gated_deltanet", vocab_size=cfg.vocab_size,
+             hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers, num_heads=rec.num_heads,
+             num_v_heads=rec.HV, head_dim=rec.head_dim, expand_v=rec.V / rec.head_dim,
+             use_gate=rec.output_gate != "none",
+             output_gate_activation="sigmoid" if rec.output_gate == "sigmoid" else "swish",
+             use_short_conv=rec.short_conv, conv_size=rec.conv_size, allow_neg_eigval=rec.allow_neg_eigval,
+             norm_eps=cfg.norm_eps, hidden_act="swish",
+             intermediate_size=cfg.mlp_hidden or hidden_size(cfg.d_model, cfg.mlp_ratio),
+             tie_word_embeddings=cfg.tie_embeddings, torch_dtype="float32", attn=None)
+  layers = [i for i, k in enumerate(kinds) if k != "recurrent"]
+  if layers:
+    out["attn"] = dict(layers=layers, num_heads=att.num_heads, num_kv_heads=att.KVH, qkv_bias=att.proj_bias,
+                       window_size=att.window if "sliding_window" in kinds else None, rope_theta=att.rope_theta)
+  return out
+
+
+def save_model(model: LanguageModel, path) -> dict:
+  """Write `model` as a checkpoint folder (model.safetensors in float32, config.json) that fla's
+  `GatedDeltaNetForCausalLM.from_pretrained(path)` loads with the same logits; returns the config dict.
+
+  Refused, naming the setting: what fla's model cannot hold (MoE layers, a recurrent layer other than fla's
+  Gated DeltaNet, attention with an output gate, q/k norm, partial or scaled RoPE, a head dim other than
+  d_model / num_heads, an o_proj bias, both global and sliding-window layers, ...).
+  """
+  cfg = model.cfg
+  config = fla_config_dict(cfg)
+  causal_lm.check_representable(cfg, model_config(config), "fla's GatedDeltaNetForCausalLM")
+  p, D = causal_lm.params(model), cfg.d_model
+  rec = cfg.recurrent
+  tensors = causal_lm.common_tensors(model, p, FLA_LAYOUT)
+  for i, kind in enumerate(cfg.layer_kinds):
+    b, m = ("blocks", i), ("blocks", i, "mixer")
+    sub = {"attn_norm.weight": p[b + ("mixer_norm", "weight")], "mlp_norm.weight": p[b + ("mlp_norm", "weight")],
+           **causal_lm.swiglu_tensors(p, b + ("mlp",), "mlp.")}
+    if kind == "recurrent":
+      gate = ["g_proj"] if rec.output_gate != "none" else []
+      names = ["q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "o_proj"] + gate
+      for n in names:
+        sub.update(causal_lm.linear_tensors(p, m + (n,), f"attn.{n}"))
+      sub.update({"attn.A_log": p[m + ("A_log",)], "attn.dt_bias": p[m + ("dt_bias",)],
+                  "attn.o_norm.weight": p[m + ("o_norm", "weight")]})
+      if rec.short_conv:
+        HK = rec.num_heads * rec.head_dim
+        q, k, v = np.split(p[m + ("conv", "weight")], [HK, 2 * HK], axis=1)
+        sub.update({f"attn.{n}_conv1d.weight": w.T[:, None, :] for n, w in (("q", q), ("k", k), ("v", v))})
+    else:
+      if np.any(p.get(m + ("o_proj", "bias"), 0.0)):
+        raise ValueError(f"fla's attention has no o_proj bias: layer {i}'s attention.proj_bias is non-zero on o_proj")
+      for n in ("q_proj", "k_proj", "v_proj"):
+        sub.update(causal_lm.linear_tensors(p, m + (n,), f"attn.{n}"))
+      sub["attn.o_proj.weight"] = p[m + ("o_proj", "kernel")].T
+    tensors.update({FLA_LAYOUT.layer.format(i) + k: v for k, v in sub.items()})
+  causal_lm.save(path, tensors, config)
+  return config

@@ -68,6 +68,24 @@ def read_safetensors(path, prefix: str = "") -> dict:
   return out
 
 
+def source_keys(source) -> list:
+  """Every tensor name of a state_dict (a mapping) or a safetensors file, index or folder, without reading data."""
+  if isinstance(source, Mapping):
+    return sorted(k for k in source if isinstance(k, str))
+  if not isinstance(source, (str, os.PathLike)):
+    raise TypeError(f"state_dict must be a mapping of names to tensors or a safetensors path, "
+                    f"got {type(source).__name__}")
+  files, key_to_file = _safetensors_files(os.fspath(source))
+  if key_to_file is not None:
+    return sorted(key_to_file)
+  from safetensors import safe_open
+  keys = []
+  for file in files:
+    with safe_open(file, framework="flax") as f:
+      keys += list(f.keys())
+  return sorted(keys)
+
+
 class Tensors:
   """A state_dict being consumed: `take` each tensor once, then `check_consumed` names whatever is left over, so a
   tensor our module has no place for (a conv bias, say) is an error rather than silently dropped."""

@@ -1,4 +1,4 @@
-"""Causal softmax attention: RoPE (full or partial), GQA, sliding window, sigmoid output gate, KV cache,
+"""Causal softmax attention: RoPE (full or partial, plain or YaRN), GQA, sliding window, sigmoid output gate, KV cache,
 context parallelism (the sequence split over a mesh axis, keys and values all-gathered).
 
 Shapes: B batch, T new tokens (this device's slice under context parallelism), L cache slots, S keys attended
@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from gdn.config import AttentionConfig
 from gdn.layers.norms import RMSNorm
+from gdn.layers.rope import frequencies, rope
 from gdn.layers.segments import check_mixer_call, segment_index
 
 
@@ -47,20 +48,6 @@ def shard_alike_for_cudnn(q, k, v):
   return tuple(jax.lax.with_sharding_constraint(x, spec) for x in (q, k, v))
 
 
-def rope(x, positions, *, theta: float, rot_dim: int):
-  """Rotate the first rot_dim dims of each head (NeoX half-split pairs); x [B, T, N, E], positions [T]."""
-  if rot_dim == 0:
-    return x
-  half = rot_dim // 2
-  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  ang = positions.astype(jnp.float32)[:, None] * inv_freq  # [T, half]
-  cos, sin = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]
-  xr = x[..., :rot_dim].astype(jnp.float32)
-  x1, x2 = xr[..., :half], xr[..., half:]
-  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-  return jnp.concatenate([rotated, x[..., rot_dim:]], axis=-1)
-
-
 class Attention(nnx.Module):
   """Causal multi-head attention with GQA. window > 0: each query sees itself and the window-1 tokens before it.
 
@@ -81,6 +68,8 @@ class Attention(nnx.Module):
     self.dtype = dtype
     N, G, E = cfg.num_heads, cfg.KVH, cfg.head_dim
     self.rot_dim = int(E * cfg.rope_fraction) // 2 * 2
+    inv_freq, self.rope_scale = frequencies(cfg, self.rot_dim)
+    self.inv_freq = tuple(inv_freq.tolist())  # static constants, not parameters
     init = nnx.initializers.normal(init_std)
     out_init = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
     gated = cfg.output_gate == "sigmoid"
@@ -139,8 +128,8 @@ class Attention(nnx.Module):
     else:
       pos0 = jnp.zeros((), jnp.int32) if cache is None else cache.pos
     positions = pos0 + jnp.arange(T, dtype=jnp.int32)
-    q = rope(q, positions, theta=cfg.rope_theta, rot_dim=self.rot_dim)
-    k = rope(k, positions, theta=cfg.rope_theta, rot_dim=self.rot_dim)
+    q = rope(q, positions, self.inv_freq, self.rope_scale)
+    k = rope(k, positions, self.inv_freq, self.rope_scale)
 
     if segment_ids is not None and segment_ids.shape != (B, T):
       raise ValueError(f"segment_ids must be [B, T] = {(B, T)}, got {segment_ids.shape}")

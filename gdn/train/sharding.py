@@ -55,10 +55,13 @@ def batch_devices(mesh: Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def param_spec(shape, fsdp_size: int) -> P:
-  """Shard the largest axis that fsdp_size divides (ties: the first), or replicate."""
+def param_spec(shape, fsdp_size: int, *, expert: bool = False) -> P:
+  """Shard the largest axis that fsdp_size divides (ties: the first), or replicate. expert: an MoE expert stack
+  [E, ...] splits its expert axis first, when fsdp_size divides E, so each device holds whole experts."""
   if fsdp_size == 1 or not shape:
     return P()
+  if expert and shape[0] % fsdp_size == 0:
+    return P("fsdp", *[None] * (len(shape) - 1))
   for axis in sorted(range(len(shape)), key=lambda a: -shape[a]):
     if shape[axis] % fsdp_size == 0:
       return P(*[("fsdp" if a == axis else None) for a in range(len(shape))])
@@ -68,7 +71,10 @@ def param_spec(shape, fsdp_size: int) -> P:
 def tree_shardings(tree, mesh: Mesh):
   """NamedShardings for every array leaf of a train state (scalars and small leaves replicated)."""
   fsdp = mesh.shape["fsdp"]
-  return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(np.shape(x), fsdp)), tree)
+  def spec(path, x):
+    expert = any(getattr(k, "key", getattr(k, "name", None)) == "experts" for k in path)  # gdn.layers.moe.Experts
+    return NamedSharding(mesh, param_spec(np.shape(x), fsdp, expert=expert))
+  return jax.tree_util.tree_map_with_path(spec, tree)
 
 
 def shard_state(state, mesh: Mesh):

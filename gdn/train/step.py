@@ -79,13 +79,19 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=N
 
   def loss_fn(params, rest, batch):
     model = nnx.merge(graphdef, params, rest)
+    moe_coef = model.cfg.moe.aux_loss_coef if "moe" in model.cfg.mlp_kinds else 0.0
+    aux = 0.0
     if context_parallel:
+      if moe_coef:
+        raise ConfigError("config.model.moe.aux_loss_coef > 0 is not supported with config.train.mesh_seq > 1 "
+                          "(each device would balance only its own slice): set it to 0 or mesh_seq to 1")
       logits = _context_parallel_logits(model, batch["inputs"], mesh)
     else:
       with _on_mesh(mesh):
-        logits = model(batch["inputs"])
+        logits, aux = model(batch["inputs"], return_aux_loss=True)
     stats = _token_stats(logits, batch)
-    loss = stats["nll"] / jnp.maximum(stats["weight"], 1.0)
+    # The MoE layers' load-balancing loss (gdn.layers.moe), weighted by moe.aux_loss_coef; 0 without MoE layers.
+    loss = stats["nll"] / jnp.maximum(stats["weight"], 1.0) + moe_coef * aux
     _, _, rest = nnx.split(model, nnx.Param, ...)
     return loss, (stats, rest)
 
