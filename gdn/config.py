@@ -17,6 +17,7 @@ BETAS = ("none", "head", "channel")
 OUTPUT_GATES = ("none", "silu", "sigmoid")
 QK_NORMS = ("none", "l2")
 LAYER_KINDS = {"R": "recurrent", "A": "attention", "W": "sliding_window"}
+REMATS = ("none", "dots", "full")
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -148,6 +149,13 @@ class ModelConfig:
   norm_eps: float = 1e-6
   init_std: float = 0.02
   dtype: str = "float32"  # compute dtype ("float32" | "bfloat16"); parameters stay float32
+  # Scan over layers: the pattern's group of blocks is stacked and applied num_layers // len(pattern) times by
+  # one `lax.scan` (compiled once whatever the depth); the num_layers % len(pattern) left over run unrolled after.
+  scan_layers: bool = False
+  # Rematerialisation in the backward pass, per block (unrolled) or per scanned group: "none" keeps every
+  # activation, "dots" keeps only matmul outputs without batch dimensions (the projections), "full" keeps only
+  # each unit's input.
+  remat: str = "none"
 
   def __post_init__(self):
     _positive("vocab_size", self.vocab_size)
@@ -159,6 +167,17 @@ class ModelConfig:
     if "W" in self.pattern and self.attention.window < 1:
       raise ValueError("pattern has sliding-window layers 'W' but attention.window is 0")
     _choice("dtype", self.dtype, ("float32", "bfloat16"))
+    _choice("remat", self.remat, REMATS)
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"scan_layers must be a bool, got {self.scan_layers!r}")
+    if self.scan_layers and self.num_layers < len(self.pattern):
+      raise ValueError(f"scan_layers needs at least one whole pattern group: num_layers={self.num_layers} < "
+                       f"len(pattern)={len(self.pattern)} ({self.pattern!r})")
+
+  @property
+  def scan_groups(self) -> int:
+    """How many times the scan applies the pattern's group of blocks (0 without scan_layers)."""
+    return self.num_layers // len(self.pattern) if self.scan_layers else 0
 
   @property
   def layer_kinds(self) -> tuple:

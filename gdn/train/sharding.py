@@ -20,6 +20,7 @@ import numpy as np
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+STACKED = "scanned_blocks"  # gdn.model.LanguageModel's stacked layers under scan_layers
 AXES = ("data", "fsdp")  # the axes that split the batch
 SEQ = "seq"  # the axis that splits the time axis under context parallelism
 
@@ -55,20 +56,28 @@ def batch_devices(mesh: Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def param_spec(shape, fsdp_size: int) -> P:
-  """Shard the largest axis that fsdp_size divides (ties: the first), or replicate."""
+def param_spec(shape, fsdp_size: int, stacked: bool = False) -> P:
+  """Shard the largest axis that fsdp_size divides (ties: the first), or replicate. stacked: the leading axis
+  indexes scanned layers, which the scan slices one at a time, so it is never the one sharded."""
   if fsdp_size == 1 or not shape:
     return P()
-  for axis in sorted(range(len(shape)), key=lambda a: -shape[a]):
+  for axis in sorted(range(int(stacked), len(shape)), key=lambda a: -shape[a]):
     if shape[axis] % fsdp_size == 0:
       return P(*[("fsdp" if a == axis else None) for a in range(len(shape))])
   return P()
 
 
+def is_stacked(path) -> bool:
+  """Whether a leaf's key path runs through a scanned model's stacked layers (`LanguageModel.scanned_blocks`),
+  in the parameters or in anything shaped like them (the optimizer's moments)."""
+  return any(getattr(k, "key", getattr(k, "name", None)) == STACKED for k in path)
+
+
 def tree_shardings(tree, mesh: Mesh):
   """NamedShardings for every array leaf of a train state (scalars and small leaves replicated)."""
   fsdp = mesh.shape["fsdp"]
-  return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(np.shape(x), fsdp)), tree)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: NamedSharding(mesh, param_spec(np.shape(x), fsdp, is_stacked(path))), tree)
 
 
 def shard_state(state, mesh: Mesh):
