@@ -241,9 +241,14 @@ def main(argv=None) -> list:
   run, why = fla_available(a.fla)
   results = []
   if run:
-    r = run_fla(cfg, toks, a)
-    note = " (TRITON_ABOVE_3_7_1 forced)" if r["patched"] else ""
-    results.append((f"fla {r['params'] / 1e6:,.1f}M{note}", r))
+    try:
+      r = run_fla(cfg, toks, a)
+      note = " (TRITON_ABOVE_3_7_1 forced)" if r["patched"] else ""
+      results.append((f"fla {r['params'] / 1e6:,.1f}M{note}", r))
+    except Exception as e:  # e.g. fla's attention layers need flash-attn; gdn's row still runs
+      if a.fla == "on":
+        raise
+      run, why = False, f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
   results.append((f"gdn {flop['params'] / 1e6:,.1f}M", run_gdn(cfg, toks, a)))
   print(f"| implementation {head}")
   print("|:---|---:|---:|---:|---:|---:|---:|---:|")
