@@ -154,7 +154,7 @@ def test_prefill_decode_generate_and_cache_bytes():
 
 
 @pytest.mark.filterwarnings("ignore:checkpoint")
-def test_unrolled_checkpoint_refused_by_scanned_model(tmp_path):
+def test_checkpoints_keep_their_layout(tmp_path):
   from gdn.train.checkpoint import Checkpoints
   from gdn.train.config import TrainConfig
   from gdn.train.optimizer import make_optimizer
@@ -171,6 +171,13 @@ def test_unrolled_checkpoint_refused_by_scanned_model(tmp_path):
   except Exception:  # refused
     restored = None
   assert restored is None  # never handed back in the wrong layout
+  # A scanned checkpoint restores into the scanned layout.
+  ckpt = Checkpoints(str(tmp_path / "scanned"), keep=1)
+  ckpt.save(2, template, {"batch": 2})
+  ckpt.close()
+  state, data_state, step = Checkpoints(str(tmp_path / "scanned"), keep=1).restore_latest(template)
+  assert step == 2 and data_state == {"batch": 2}
+  _assert_close(jax.tree.leaves(state.params), jax.tree.leaves(template.params), rtol=0, atol=0)
 
 
 def test_stacked_axis_never_sharded():
