@@ -13,7 +13,18 @@ TINY = ["--config", "configs/lm_paper.py:gdn-340m", "--batch", "2", "--seq-len",
             for x in ("--override", kv)]
 
 
-def test_main_and_depths_tiny(capsys):
+@pytest.fixture
+def fast_compile():
+  """The test checks the script, not XLA's fusions: fewer optimisations compile 2-3x faster."""
+  import jax
+
+  before = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", before)
+
+
+def test_main_and_depths_tiny(capsys, fast_compile):
   rows = bench_model.main(TINY + ["--override", "model.num_layers=1"])
   assert [r["name"].split()[0] for r in rows] == ["gdn"]
   assert rows[0]["step_ms"] > 0 and np.isfinite(rows[0]["loss"])
