@@ -22,7 +22,7 @@ here (XLA_PYTHON_CLIENT_PREALLOCATE=false), so both allocators' peaks are real.
 
 Columns: step ms is the median of --steps steps after --warmup (each waited on); tokens/s = batch x seq len /
 step; MFU = FLOP per step / step time / --peak-tflops (default the H200's dense bf16 989 TFLOP/s), with the
-FLOP of `gdn.train.throughput.train_flops_per_token` (6 N for the matmuls plus the causal attention and chunked
+FLOP of `gdn.bench.model_flops.train_flops_per_token` (6 N for the matmuls plus the causal attention and chunked
 delta-rule mixing, the same count for both); peak GiB is the allocator's peak (PyTorch's
 max_memory_allocated, JAX's peak_bytes_in_use; never reset in JAX, so in --depths mode it is the largest so
 far); XLA GiB is XLA's estimate for the compiled step (arguments + outputs + temporaries - donated). The
@@ -35,6 +35,7 @@ import argparse
 import gc
 import os
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 2**30
@@ -84,17 +85,14 @@ def run_gdn(cfg, toks, a) -> dict:
   import jax
   import numpy as np
 
-  from experiments.bench_layers import xla_bytes
+  from gdn.bench.timing import compiled_bytes, device_memory_stats, time_steps
   from gdn.train import optimizer, step
-  from gdn.train.throughput import peak_bytes, time_steps
 
   tx = optimizer.make_optimizer(cfg.train)
   graphdef, _ = jax.eval_shape(lambda: step.init(cfg.model, tx, cfg.seed))
   state = jax.jit(lambda: step.init(cfg.model, tx, cfg.seed)[1])()
   batch = jax.device_put(dict(inputs=toks[:, :-1], targets=toks[:, 1:],
                               weights=np.ones(toks[:, 1:].shape, np.float32)))
-  import time
-
   t0 = time.perf_counter()
   compiled = step.make_train_step(graphdef, tx, optimizer.lr_shape(cfg.train)).lower(state, batch).compile()
   compile_s = time.perf_counter() - t0
@@ -104,7 +102,8 @@ def run_gdn(cfg, toks, a) -> dict:
     held["state"], held["metrics"] = compiled(held["state"], batch)
 
   r = time_steps(one, lambda: jax.block_until_ready(held["state"]), warmup=a.warmup, steps=a.steps)
-  r.update(compile_s=compile_s, xla_bytes=xla_bytes(compiled), peak_bytes=peak_bytes(),
+  r.update(compile_s=compile_s, xla_bytes=compiled_bytes(compiled),
+           peak_bytes=device_memory_stats().get("peak_bytes_in_use"),
            loss=float(held["metrics"]["loss"]))
   del held, state, batch, compiled
   gc.collect()
@@ -145,7 +144,7 @@ def run_fla(cfg, toks, a) -> dict:
   import torch
   import fla.ops.common.chunk_o as chunk_o
 
-  from gdn.train.throughput import time_steps
+  from gdn.bench.timing import time_steps
 
   patched = not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True)
   chunk_o.TRITON_ABOVE_3_7_1 = True
@@ -208,7 +207,7 @@ def main(argv=None) -> list:
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   import jax
 
-  from gdn.train.throughput import H200_BF16_TFLOPS, param_count, train_flops_per_token
+  from gdn.bench.model_flops import H200_BF16_TFLOPS, param_count, train_flops_per_token
 
   peak_tflops = a.peak_tflops or H200_BF16_TFLOPS
   cfg = experiment_config(a)

@@ -40,7 +40,7 @@ def test_main_and_depths_tiny(capsys, fast_compile):
 def test_fla_model_matches_parameter_count():
   torch = pytest.importorskip("torch")
   pytest.importorskip("fla")
-  from gdn.train.throughput import param_count
+  from gdn.bench.model_flops import param_count
 
   cfg = bench_model.experiment_config(bench_model.parse_args(["--config", "configs/lm_paper.py:gdn-340m"]))
   with torch.device("meta"):
@@ -50,7 +50,7 @@ def test_fla_model_matches_parameter_count():
 
 def test_flop_count():
   from gdn.config import AttentionConfig, ModelConfig
-  from gdn.train.throughput import train_flops_per_token
+  from gdn.bench.model_flops import train_flops_per_token
 
   cfg = ModelConfig(vocab_size=100, d_model=8, num_layers=2, pattern="A", attention=AttentionConfig(2, head_dim=4))
   f = train_flops_per_token(cfg, 10)

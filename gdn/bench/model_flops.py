@@ -1,4 +1,4 @@
-"""Training throughput: the FLOP count of a model's train step, and the timing of any step function.
+"""The FLOP count of a whole model's training step, per token, and the peak that MFU divides by.
 
 Shapes: B batch, T sequence length, D d_model, Vocab vocabulary size, H heads, E attention head dim, K / V the
 recurrent key / value head dims, C chunk size.
@@ -6,13 +6,11 @@ recurrent key / value head dims, C chunk size.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import jax
 from flax import nnx
 
 from gdn.config import ModelConfig
+from gdn.model import LanguageModel
 
 # The H200's dense bfloat16 peak (the H100 / H200 SXM data sheet figure), the denominator of MFU here.
 H200_BF16_TFLOPS = 989.0
@@ -20,8 +18,6 @@ H200_BF16_TFLOPS = 989.0
 
 def param_count(cfg: ModelConfig) -> int:
   """Parameters of `LanguageModel(cfg)`, from an abstract init (nothing is allocated)."""
-  from gdn.model import LanguageModel
-
   model = nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))
   return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
@@ -50,32 +46,3 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, *, chunk_size: int = 6
       span = min(a.window, T) if kind == "sliding_window" else T
       mixing += 3 * 2 * span * a.num_heads * a.head_dim
   return dict(matmul=6.0 * n, mixing=mixing, total=6.0 * n + mixing, params=n + embed * (not cfg.tie_embeddings))
-
-
-def time_steps(step, sync, *, warmup: int, steps: int) -> dict:
-  """Runs `step()` warmup times untimed (the first may compile), then `steps` times, each followed by `sync()`
-  (waiting until its results are ready). Returns first_s (the first call, compile included) and the median and
-  all step times in ms."""
-  if warmup < 1 or steps < 1:
-    raise ValueError(f"warmup and steps must be >= 1, got warmup={warmup}, steps={steps}")
-  t0 = time.perf_counter()
-  step()
-  sync()
-  first_s = time.perf_counter() - t0
-  for _ in range(warmup - 1):
-    step()
-  sync()
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    step()
-    sync()
-    times.append(1e3 * (time.perf_counter() - t0))
-  return dict(first_s=first_s, step_ms=statistics.median(times), times_ms=times)
-
-
-def peak_bytes(device=None):
-  """The allocator's peak bytes on a device since the process started, where the backend reports it (GPUs,
-  not the CPU); None otherwise."""
-  stats = (device or jax.devices()[0]).memory_stats() or {}
-  return stats.get("peak_bytes_in_use")
