@@ -19,6 +19,7 @@ OUTPUT_GATES = ("none", "silu", "sigmoid")
 QK_NORMS = ("none", "l2")
 LAYER_KINDS = {"R": "recurrent", "A": "attention", "W": "sliding_window"}
 MLP_KINDS = {"D": "dense", "M": "moe"}
+REMATS = ("none", "dots", "full")
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -194,6 +195,13 @@ class ModelConfig:
   mlp_hidden: Optional[int] = None  # the dense SwiGLU's width; None: from mlp_ratio
   mlp_pattern: str = "D"  # one letter per layer, cyclic like pattern: "D" dense SwiGLU, "M" MoE (`moe`)
   moe: MoEConfig = MoEConfig()
+  # Scan over layers: the pattern's group of blocks is stacked and applied num_layers // len(pattern) times by
+  # one `lax.scan` (compiled once whatever the depth); the num_layers % len(pattern) left over run unrolled after.
+  scan_layers: bool = False
+  # Rematerialisation in the backward pass, per block (unrolled) or per scanned group: "none" keeps every
+  # activation, "dots" keeps only matmul outputs without batch dimensions (the projections), "full" keeps only
+  # each unit's input.
+  remat: str = "none"
 
   def __post_init__(self):
     _positive("vocab_size", self.vocab_size)
@@ -210,8 +218,20 @@ class ModelConfig:
     if not self.mlp_pattern or set(self.mlp_pattern) - set(MLP_KINDS):
       raise ValueError(f"mlp_pattern must be a non-empty string of {sorted(MLP_KINDS)} (D dense, M mixture of "
                        f"experts), got {self.mlp_pattern!r}")
-    if getattr(self, "scan_layers", False) and "moe" in self.mlp_kinds:
-      raise ValueError("scan_layers does not support MoE layers (mlp_pattern with 'M'): set scan_layers=False")
+    _choice("remat", self.remat, REMATS)
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"scan_layers must be a bool, got {self.scan_layers!r}")
+    if (self.scan_layers or self.remat != "none") and "moe" in self.mlp_kinds:
+      raise ValueError(f"MoE layers (mlp_pattern with 'M') need the unrolled layers without remat, got "
+                       f"scan_layers={self.scan_layers}, remat={self.remat!r}: set scan_layers=False, remat='none'")
+    if self.scan_layers and self.num_layers < len(self.pattern):
+      raise ValueError(f"scan_layers needs at least one whole pattern group: num_layers={self.num_layers} < "
+                       f"len(pattern)={len(self.pattern)} ({self.pattern!r})")
+
+  @property
+  def scan_groups(self) -> int:
+    """How many times the scan applies the pattern's group of blocks (0 without scan_layers)."""
+    return self.num_layers // len(self.pattern) if self.scan_layers else 0
 
   @property
   def layer_kinds(self) -> tuple:

@@ -1,12 +1,20 @@
 """The language model: embeddings, a stack of pre-norm residual blocks following `ModelConfig.layer_kinds`, a head.
 
-Shapes: B batch, T time (this device's slice under context parallelism), D d_model, Vocab vocabulary size.
+Shapes: B batch, T time (this device's slice under context parallelism), D d_model, Vocab vocabulary size,
+G scanned groups (num_layers // len(pattern)), P len(pattern).
+
+Two layouts of the same blocks. Unrolled (default): `blocks`, one Block per layer, applied in a Python loop.
+Scanned (`cfg.scan_layers`): `scanned_blocks`, the P blocks of one pattern group whose parameters carry a leading
+axis G (layer g * P + j is `scanned_blocks[j]` at index g), applied by one `lax.scan`, then `remainder_blocks`,
+the num_layers - G P layers left over, unrolled. `stack_layers` / `unstack_layers` convert a model between them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -78,33 +86,48 @@ class LanguageModel(nnx.Module):
     dtype = DTYPES[cfg.dtype]
     init = nnx.initializers.normal(cfg.init_std)
     self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=dtype, rngs=rngs)
-    self.blocks = nnx.List([Block(cfg, kind, rngs=rngs, mlp_kind=mlp_kind)
-                            for kind, mlp_kind in zip(cfg.layer_kinds, cfg.mlp_kinds)])
+    # Built layer by layer in both layouts, so that the same seed gives the same parameters.
+    blocks = [Block(cfg, kind, rngs=rngs, mlp_kind=mlp_kind)
+              for kind, mlp_kind in zip(cfg.layer_kinds, cfg.mlp_kinds)]
+    if cfg.scan_layers:
+      G, P = cfg.scan_groups, len(cfg.pattern)
+      groups = [nnx.List(blocks[g * P:(g + 1) * P]) for g in range(G)]
+      self.scanned_blocks = groups[0]
+      nnx.update(self.scanned_blocks, _stack([nnx.state(group) for group in groups]))
+      self.remainder_blocks = nnx.List(blocks[G * P:])
+    else:
+      self.blocks = nnx.List(blocks)
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
     self.lm_head = (None if cfg.tie_embeddings else
                     nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, kernel_init=init, dtype=dtype,
                                rngs=rngs))
 
-  def __call__(self, tokens, *, segment_ids=None, context_axis=None, return_aux_loss: bool = False):
-    """tokens [B, T] -> logits [B, T, Vocab]. context_axis: None, or the name of a mesh axis over which the
-    sequence is split, when called inside a `shard_map` over it: tokens and segment_ids are then this device's
-    slice [B, T / D] (device d holding positions [d T / D, (d + 1) T / D)), and so are the logits.
-    return_aux_loss: return (logits, the MoE layers' load-balancing loss), 0 without MoE layers."""
-    self._check_tokens(tokens)
-    if segment_ids is not None:
-      if segment_ids.shape != tokens.shape:
-        raise ValueError(f"segment_ids must be [B, T] = {tokens.shape}, got {segment_ids.shape}")
-      if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-        raise TypeError(f"segment_ids must be an integer array, got dtype {segment_ids.dtype}")
-    stats = [] if return_aux_loss else None
-    logits, _ = self._run(tokens, segment_ids, None, context_axis, stats)
-    return (logits, load_balancing_loss(stats, self.cfg.moe.num_experts)) if return_aux_loss else logits
+  def __getattr__(self, name):
+    # Only reached when normal lookup fails: say why a scanned model has no `blocks`.
+    if name == "blocks" and getattr(self.__dict__.get("cfg"), "scan_layers", False):
+      raise AttributeError("this model has scan_layers=True: its layers are stacked in `scanned_blocks` (and "
+                           "`remainder_blocks`), not a per-layer `blocks` list; gdn.model.unstack_layers(model) "
+                           "gives the same model unrolled")
+    raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+  @property
+  def unrolled_blocks(self):
+    """The blocks applied one by one: every block, or with scan_layers the remainder after the scan."""
+    return self.remainder_blocks if self.cfg.scan_layers else self.blocks
 
   def init_cache(self, batch: int, max_len: int) -> tuple:
-    """One cache per layer: RecurrentCache (conv state, S) or KVCache; max_len bounds prompt + generated tokens."""
+    """One cache per layer: RecurrentCache (conv state, S) or KVCache; max_len bounds prompt + generated tokens.
+    With scan_layers the first entry is the scanned group's P caches, each stacked along a leading axis G,
+    followed by one cache per remainder layer."""
     if batch < 1 or max_len < 1:
       raise ValueError(f"batch and max_len must be positive ints, got batch={batch!r}, max_len={max_len!r}")
-    return tuple(block.init_cache(batch, max_len) for block in self.blocks)
+    caches = tuple(block.init_cache(batch, max_len) for block in self.unrolled_blocks)
+    if not self.cfg.scan_layers:
+      return caches
+    G = self.cfg.scan_groups
+    group = tuple(jax.tree.map(lambda a: jnp.broadcast_to(a, (G,) + a.shape), block.init_cache(batch, max_len))
+                  for block in self.scanned_blocks)
+    return (group,) + caches
 
   def prefill(self, tokens, cache: tuple):
     """Run tokens [B, T] from the cache's position (the chunked op for recurrent layers); (logits, cache)."""
@@ -123,15 +146,64 @@ class LanguageModel(nnx.Module):
     return self._run(tokens, None, cache)
 
   def _run(self, tokens, segment_ids, cache, context_axis=None, router_stats=None):
+    """router_stats: None, or a list to which MoE layers append their routing statistics (MoE layers are
+    unrolled without remat, which ModelConfig checks, so the statistics never leave a scan or a checkpoint)."""
     x = self.embed(tokens)
     new_cache = []
-    for i, block in enumerate(self.blocks):
-      x, c = block(x, segment_ids=segment_ids, cache=None if cache is None else cache[i], context_axis=context_axis,
-                   router_stats=router_stats)
+    if self.cfg.scan_layers:
+      x, c = self._scan(x, segment_ids, None if cache is None else cache[0], context_axis)
+      new_cache.append(c)
+      cache = None if cache is None else cache[1:]
+    for i, block in enumerate(self.unrolled_blocks):
+      c = None if cache is None else cache[i]
+      if self.cfg.remat == "none":
+        x, c = block(x, segment_ids=segment_ids, cache=c, context_axis=context_axis, router_stats=router_stats)
+      else:
+        graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+        x, c, rest = self._pure(graphdef, context_axis, prevent_cse=True)(params, rest, x, segment_ids, c)
+        if _draws_rng(block, c):
+          nnx.update(block, rest)
       new_cache.append(c)
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
     return logits.astype(jnp.float32), (None if cache is None else tuple(new_cache))
+
+  def _scan(self, x, segment_ids, cache, context_axis):
+    """The scanned group over its G slices of parameters, other state (each layer's dropout RNG stream) and
+    cache; the updated RNG streams and caches come back stacked."""
+    graphdef, params, rest = nnx.split(self.scanned_blocks, nnx.Param, ...)
+    # The scan already keeps XLA from merging the recomputation with the forward, which prevent_cse would do.
+    fn = self._pure(graphdef, context_axis, prevent_cse=False)
+
+    def body(x, xs):
+      x, c, rest = fn(*xs[:2], x, segment_ids, xs[2])
+      return x, (rest, c)
+
+    x, (rest, cache) = jax.lax.scan(body, x, (params, rest, cache))
+    if _draws_rng(self.scanned_blocks, cache):
+      nnx.update(self.scanned_blocks, rest)
+    return x, cache
+
+  def _pure(self, graphdef, context_axis, *, prevent_cse: bool):
+    """(params, rest, x, segment_ids, cache) -> (x, cache, rest) for a Block or an nnx.List of them (one cache
+    each), under `jax.checkpoint` with `cfg.remat`'s policy unless it is "none"."""
+
+    def fn(params, rest, x, segment_ids, cache):
+      module = nnx.merge(graphdef, params, rest)
+      if isinstance(module, Block):
+        x, cache = module(x, segment_ids=segment_ids, cache=cache, context_axis=context_axis)
+      else:
+        out = []
+        for j, block in enumerate(module):
+          x, c = block(x, segment_ids=segment_ids, cache=None if cache is None else cache[j],
+                       context_axis=context_axis)
+          out.append(c)
+        cache = None if cache is None else tuple(out)
+      return x, cache, nnx.split(module, nnx.Param, ...)[2]
+
+    if self.cfg.remat == "none":
+      return fn
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=prevent_cse)
 
   def _check_tokens(self, tokens):
     if tokens.ndim != 2:
@@ -140,6 +212,86 @@ class LanguageModel(nnx.Module):
       raise TypeError(f"tokens must be an integer array [B, T], got dtype {tokens.dtype}")
 
   def _check_cache(self, cache):
-    if not isinstance(cache, (tuple, list)) or len(cache) != len(self.blocks):
-      raise ValueError(f"cache must be a tuple of {len(self.blocks)} layer caches from init_cache, got "
-                       f"{type(cache).__name__}")
+    n = len(self.unrolled_blocks) + int(self.cfg.scan_layers)
+    if not isinstance(cache, (tuple, list)) or len(cache) != n:
+      what = "the scanned group's caches and " if self.cfg.scan_layers else ""
+      raise ValueError(f"cache must be a tuple of {n} entries ({what}one cache per unrolled layer) from "
+                       f"init_cache, got {type(cache).__name__}"
+                       + (f" of length {len(cache)}" if isinstance(cache, (tuple, list)) else ""))
+
+
+# None of them: every activation is kept. "dots": matmul outputs without batch dimensions (the projections and
+# MLPs; attention's and the chunked recurrence's batched products are recomputed). "full": nothing inside a unit.
+REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  "full": jax.checkpoint_policies.nothing_saveable}
+
+
+def _draws_rng(module, cache) -> bool:
+  """Whether a call advanced the module's RNG streams: active dropout, outside decoding (a cached call never
+  draws). Only then is the state written back, which a call traced inside a loop over the model must not do."""
+  return cache is None and any(isinstance(m, nnx.Dropout) and m.rate > 0 and not m.deterministic
+                               for _, m in nnx.iter_graph(module))
+
+
+def _stack(trees):
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _layout(model: LanguageModel, want_scan: bool) -> tuple:
+  """(cfg, params, rest): the model's config with scan_layers=want_scan and its state as pure dicts."""
+  if not isinstance(model, LanguageModel):
+    raise TypeError(f"model must be a gdn.model.LanguageModel, got {type(model).__name__}")
+  if model.cfg.scan_layers == want_scan:
+    raise ValueError(f"model already has scan_layers={want_scan}")
+  params, rest = nnx.state(model, nnx.Param, ...)
+  return dataclasses.replace(model.cfg, scan_layers=want_scan), nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+
+def _build(source: LanguageModel, cfg: ModelConfig, params: dict, rest: dict) -> LanguageModel:
+  """A model of `cfg` holding the given state and `source`'s dropout mode (no initialisation is computed)."""
+  modes = {m.deterministic for _, m in nnx.iter_graph(source) if isinstance(m, nnx.Dropout)}
+  if len(modes) > 1:
+    raise ValueError("the model's dropout layers are in different modes; call model.train() or model.eval() first")
+  model = nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))
+  params_state, rest_state = nnx.state(model, nnx.Param, ...)
+  nnx.replace_by_pure_dict(params_state, params)
+  nnx.replace_by_pure_dict(rest_state, rest)
+  nnx.update(model, params_state, rest_state)
+  for _, m in nnx.iter_graph(model):
+    if isinstance(m, nnx.Dropout) and modes:
+      m.deterministic = next(iter(modes))
+  return model
+
+
+def stack_layers(model: LanguageModel) -> LanguageModel:
+  """The same model with scan_layers=True: the unrolled `blocks` stacked into `scanned_blocks` (layer g P + j at
+  index g of block j) and `remainder_blocks`. Same parameters and RNG streams: the same logits and gradients."""
+  cfg, params, rest = _layout(model, True)
+  G, P = cfg.scan_groups, len(cfg.pattern)
+
+  def convert(tree):
+    tree = dict(tree)
+    blocks = tree.pop("blocks", {})
+    # A block without state of a kind (attention has no RNG stream) is absent from that kind's dict.
+    tree["scanned_blocks"] = {j: _stack([blocks[g * P + j] for g in range(G)]) for j in range(P) if j in blocks}
+    tree["remainder_blocks"] = {i - G * P: blocks[i] for i in blocks if i >= G * P}
+    return tree
+
+  return _build(model, cfg, convert(params), convert(rest))
+
+
+def unstack_layers(model: LanguageModel) -> LanguageModel:
+  """The inverse of `stack_layers`: the same model with scan_layers=False and one Block per layer in `blocks`
+  (the layout of unrolled checkpoints and of the interop loaders)."""
+  cfg, params, rest = _layout(model, False)
+  G, P = model.cfg.scan_groups, len(cfg.pattern)
+
+  def convert(tree):
+    tree = dict(tree)
+    groups, remainder = tree.pop("scanned_blocks", {}), tree.pop("remainder_blocks", {})
+    blocks = {g * P + j: jax.tree.map(lambda x, g=g: x[g], block) for j, block in groups.items() for g in range(G)}
+    blocks.update({G * P + i: block for i, block in remainder.items()})
+    tree["blocks"] = blocks
+    return tree
+
+  return _build(model, cfg, convert(params), convert(rest))

@@ -36,7 +36,9 @@ def test_config_file_builds(spec):
     if cfg.model not in built:  # abstract init: checks every shape without allocating
       nnx.eval_shape(lambda: LanguageModel(cfg.model, rngs=nnx.Rngs(0)))
       built.add(cfg.model)
-  if spec.endswith(":small") or ":" not in os.path.basename(spec):
+  data = cells[0].config.data
+  no_files = data.task == "tokens" and not data.text.train_file  # token files are the user's to give
+  if (spec.endswith(":small") or ":" not in os.path.basename(spec)) and not no_files:
     task = make_task(cells[0].config.data, 0, 2)
     batch = task.train[0]
     assert batch["inputs"].shape == batch["targets"].shape == batch["weights"].shape

@@ -41,3 +41,25 @@ def device_memory_stats(device=None) -> dict:
     return (device or jax.devices()[0]).memory_stats() or {}
   except Exception:  # backends without allocator statistics raise rather than return None
     return {}
+
+
+def time_steps(step, sync, *, warmup: int, steps: int) -> dict:
+  """Runs `step()` warmup times untimed (the first may compile), then `steps` times, each followed by `sync()`
+  (waiting until its results are ready). Returns first_s (the first call, compile included) and the median and
+  all step times in ms."""
+  if warmup < 1 or steps < 1:
+    raise ValueError(f"warmup and steps must be >= 1, got warmup={warmup}, steps={steps}")
+  t0 = time.perf_counter()
+  step()
+  sync()
+  first_s = time.perf_counter() - t0
+  for _ in range(warmup - 1):
+    step()
+  sync()
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    step()
+    sync()
+    times.append(1e3 * (time.perf_counter() - t0))
+  return dict(first_s=first_s, step_ms=statistics.median(times), times_ms=times)

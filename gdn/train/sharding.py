@@ -20,6 +20,7 @@ import numpy as np
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+STACKED = "scanned_blocks"  # gdn.model.LanguageModel's stacked layers under scan_layers
 AXES = ("data", "fsdp")  # the axes that split the batch
 SEQ = "seq"  # the axis that splits the time axis under context parallelism
 
@@ -55,17 +56,24 @@ def batch_devices(mesh: Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def param_spec(shape, fsdp_size: int, *, expert: bool = False) -> P:
+def param_spec(shape, fsdp_size: int, *, expert: bool = False, stacked: bool = False) -> P:
   """Shard the largest axis that fsdp_size divides (ties: the first), or replicate. expert: an MoE expert stack
-  [E, ...] splits its expert axis first, when fsdp_size divides E, so each device holds whole experts."""
+  [E, ...] splits its expert axis first, when fsdp_size divides E, so each device holds whole experts. stacked:
+  the leading axis indexes scanned layers, which the scan slices one at a time, so it is never the one sharded."""
   if fsdp_size == 1 or not shape:
     return P()
   if expert and shape[0] % fsdp_size == 0:
     return P("fsdp", *[None] * (len(shape) - 1))
-  for axis in sorted(range(len(shape)), key=lambda a: -shape[a]):
+  for axis in sorted(range(int(stacked), len(shape)), key=lambda a: -shape[a]):
     if shape[axis] % fsdp_size == 0:
       return P(*[("fsdp" if a == axis else None) for a in range(len(shape))])
   return P()
+
+
+def is_stacked(path) -> bool:
+  """Whether a leaf's key path runs through a scanned model's stacked layers (`LanguageModel.scanned_blocks`),
+  in the parameters or in anything shaped like them (the optimizer's moments)."""
+  return any(getattr(k, "key", getattr(k, "name", None)) == STACKED for k in path)
 
 
 def tree_shardings(tree, mesh: Mesh):
@@ -73,7 +81,7 @@ def tree_shardings(tree, mesh: Mesh):
   fsdp = mesh.shape["fsdp"]
   def spec(path, x):
     expert = any(getattr(k, "key", getattr(k, "name", None)) == "experts" for k in path)  # gdn.layers.moe.Experts
-    return NamedSharding(mesh, param_spec(np.shape(x), fsdp, expert=expert))
+    return NamedSharding(mesh, param_spec(np.shape(x), fsdp, expert=expert, stacked=is_stacked(path)))
   return jax.tree_util.tree_map_with_path(spec, tree)
 
 

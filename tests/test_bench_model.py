@@ -1,0 +1,59 @@
+"""experiments/bench_model.py at a tiny size on CPU (fla needs CUDA: its half is skipped), and its fla model
+built at a paper config with the same parameter count as gdn's (on PyTorch's meta device, nothing allocated)."""
+
+import numpy as np
+import pytest
+
+from experiments import bench_model
+
+TINY = ["--config", "configs/lm_paper.py:gdn-340m", "--batch", "2", "--seq-len", "16", "--warmup", "1",
+        "--steps", "1", "--fla", "off"] + [x for kv in (
+            "model.d_model=16", "model.vocab_size=64", "model.recurrent.num_heads=2", "model.recurrent.head_dim=8",
+            "model.recurrent.v_head_dim=8", "model.dtype=float32", "model.recurrent.method=recurrent")
+            for x in ("--override", kv)]
+
+
+@pytest.fixture
+def fast_compile():
+  """The test checks the script, not XLA's fusions: fewer optimisations compile 2-3x faster."""
+  import jax
+
+  before = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", before)
+
+
+def test_main_and_depths_tiny(capsys, fast_compile):
+  rows = bench_model.main(TINY + ["--override", "model.num_layers=1"])
+  assert [r["name"].split()[0] for r in rows] == ["gdn"]
+  assert rows[0]["step_ms"] > 0 and np.isfinite(rows[0]["loss"])
+  assert "fla: skipped, --fla off" in capsys.readouterr().out
+  rows = bench_model.main(TINY + ["--depths", "2"])
+  assert [(r["layers"], r["layout"]) for r in rows] == [(2, "scan"), (2, "unrolled")]
+  # The same initial parameters and batches: scanned and unrolled training give the same loss.
+  scan, unrolled = rows
+  np.testing.assert_allclose(scan["loss"], unrolled["loss"], rtol=1e-5)
+  assert scan["compile_s"] > 0 and scan["params"] == unrolled["params"]
+
+
+def test_fla_model_matches_parameter_count():
+  torch = pytest.importorskip("torch")
+  pytest.importorskip("fla")
+  from gdn.bench.model_flops import param_count
+
+  cfg = bench_model.experiment_config(bench_model.parse_args(["--config", "configs/lm_paper.py:gdn-340m"]))
+  with torch.device("meta"):
+    model = bench_model.fla_model(cfg.model)
+  assert sum(p.numel() for p in model.parameters()) == param_count(cfg.model)
+
+
+def test_flop_count():
+  from gdn.config import AttentionConfig, ModelConfig
+  from gdn.bench.model_flops import train_flops_per_token
+
+  cfg = ModelConfig(vocab_size=100, d_model=8, num_layers=2, pattern="A", attention=AttentionConfig(2, head_dim=4))
+  f = train_flops_per_token(cfg, 10)
+  # Untied head: 8 x 100; per layer q, k, v, o 4 x 64, SwiGLU 3 x 8 x 24, two norms of 8; the final norm 8.
+  assert f["matmul"] == 6 * (800 + 2 * (256 + 576 + 16) + 8)
+  assert f["mixing"] == 2 * 3 * 2 * 10 * 2 * 4
