@@ -102,6 +102,21 @@ class LanguageModel(nnx.Module):
                     nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, kernel_init=init, dtype=dtype,
                                rngs=rngs))
 
+  def __call__(self, tokens, *, segment_ids=None, context_axis=None, return_aux_loss: bool = False):
+    """tokens [B, T] -> logits [B, T, Vocab]. context_axis: None, or the name of a mesh axis over which the
+    sequence is split, when called inside a `shard_map` over it: tokens and segment_ids are then this device's
+    slice [B, T / D] (device d holding positions [d T / D, (d + 1) T / D)), and so are the logits.
+    return_aux_loss: return (logits, the MoE layers' load-balancing loss), 0 without MoE layers."""
+    self._check_tokens(tokens)
+    if segment_ids is not None:
+      if segment_ids.shape != tokens.shape:
+        raise ValueError(f"segment_ids must be [B, T] = {tokens.shape}, got {segment_ids.shape}")
+      if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise TypeError(f"segment_ids must be an integer array, got dtype {segment_ids.dtype}")
+    stats = [] if return_aux_loss else None
+    logits, _ = self._run(tokens, segment_ids, None, context_axis, stats)
+    return (logits, load_balancing_loss(stats, self.cfg.moe.num_experts)) if return_aux_loss else logits
+
   def __getattr__(self, name):
     # Only reached when normal lookup fails: say why a scanned model has no `blocks`.
     if name == "blocks" and getattr(self.__dict__.get("cfg"), "scan_layers", False):
