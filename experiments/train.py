@@ -39,7 +39,7 @@ def main(argv=None) -> int:
   compile_cache.enable(cfg.compilation_cache, cfg.run_dir)
   try:
     summary = train(cfg)
-  except (ConfigError, ConfigMismatch, WorkdirLocked, FileNotFoundError) as e:
+  except (ConfigError, ConfigMismatch, WorkdirLocked) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except NonFiniteLoss as e:

@@ -79,7 +79,10 @@ def _train(cfg: ExperimentConfig, log) -> dict:
                       "devices that split the batch (mesh_data * mesh_fsdp)")
   # One process loads whole batches exactly as it always has; with several, each loads its devices' rows.
   rows = sharding.process_rows(mesh, B) if jax.process_count() > 1 else None
-  task = make_task(cfg.data, cfg.seed, last, rows)
+  try:
+    task = make_task(cfg.data, cfg.seed, last, rows)
+  except (OSError, ValueError) as e:  # a missing or malformed data file; the message names its config key
+    raise ConfigError(str(e)) from None
   if task.vocab_size > cfg.model.vocab_size:
     raise ConfigError(f"config.model.vocab_size {cfg.model.vocab_size} is smaller than the vocabulary of task "
                       f"{task.name!r} ({task.vocab_size})")
