@@ -8,10 +8,9 @@ import time
 
 import jax
 import tqdm
-
-from gdn.data import iterator, make_task
 from jax.experimental import multihost_utils
 
+from gdn.data import iterator, make_task
 from gdn.train import checkpoint, evaluate, metrics, optimizer, sharding, step, workdir as workdirs
 from gdn.train.config import ConfigError, ExperimentConfig
 
