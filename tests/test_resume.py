@@ -123,7 +123,7 @@ def test_a_non_finite_step_stops_the_run_before_a_save_or_is_skipped_up_to_the_l
 
   # Default: the CLI stops at step 3 with exit status 3; the checkpoint of step 2 is the last one.
   args = ["--config", CONFIG, *(f"--config.{o}" for o in TINY), f"--config.workdir={wd}",
-          "--config.train.stop_step=6"]
+          "--config.train.stop_step=6", "--config.compilation_cache="]  # no cache for the rest of the session
   assert train_cli.main(args) == 3
   err = capsys.readouterr().err
   assert "step 3: loss nan" in err and "step 2" in err and "skip_nonfinite" in err
@@ -158,3 +158,14 @@ def test_the_train_step_drops_a_non_finite_update():
   tokens = np.ones((2, 8), np.float32)
   after, m = train_step(after, dict(batch, weights=tokens))
   assert float(m["nonfinite"]) == 0.0 and int(after.step) == 1
+
+
+def test_config_differences_name_keys_and_treat_a_missing_key_as_its_default():
+  base = workdir.as_json(_cfg("a"))
+  saved = json.loads(json.dumps(base))
+  del saved["train"]["skip_nonfinite"], saved["model"]["d_model"]  # keys the run's code did not have yet
+  saved["model"]["retired_field"] = 1  # a key the code no longer has
+  new = workdir.as_json(_cfg("b", "model.num_layers=2", "train.b2=0.99", "train.eval_every=5",
+                             "sweep.seeds=(0,1)"))
+  assert workdir.differences(saved, new) == {"model.d_model": (128, 16), "model.num_layers": (1, 2),
+                                             "train.b2": (0.95, 0.99)}

@@ -18,7 +18,7 @@ import os
 import shutil
 
 from gdn.train.checkpoint import ConfigMismatch
-from gdn.train.config import to_dict
+from gdn.train.config import ExperimentConfig, to_dict
 
 # Keys a resumed run may change: the run's length and cadence, how it shows progress, where it lives, and the
 # sweep that generated it. The learning rate and AdamW's numbers are not among them: they live in the
@@ -90,11 +90,13 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def differences(saved: dict, new: dict) -> dict:
-  """{dotted key: (saved value, new value)} for every key that differs and is not RESUMABLE."""
-  a, b = _flat(saved), _flat(new)
-  absent = "<absent>"
-  return {k: (a.get(k, absent), b.get(k, absent)) for k in sorted(set(a) | set(b))
-          if a.get(k, absent) != b.get(k, absent) and not any(k == r or k.startswith(r + ".") for r in RESUMABLE)}
+  """{dotted key: (saved value, new value)} for every key that differs and is not RESUMABLE. A key that the
+  saved config lacks counts as its default (a field added to the code since: the old run used its default
+  behaviour); a key that the code no longer has is left out."""
+  a, b, default = _flat(saved), _flat(new), _flat(as_json(ExperimentConfig()))
+  old = lambda k: a.get(k, default.get(k))
+  return {k: (old(k), b[k]) for k in sorted(b)
+          if old(k) != b[k] and not any(k == r or k.startswith(r + ".") for r in RESUMABLE)}
 
 
 def decide(workdir: str, new: dict, has_checkpoints: bool) -> str:
