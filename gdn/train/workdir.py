@@ -16,6 +16,7 @@ import fcntl
 import json
 import os
 import shutil
+import socket
 
 from gdn.train.checkpoint import ConfigMismatch
 from gdn.train.config import ExperimentConfig, to_dict
@@ -36,8 +37,8 @@ class WorkdirLocked(RuntimeError):
 
 
 class Lock:
-  """An exclusive lock on `<workdir>/lock.<process>` holding the owner's PID; released by `release` or at exit
-  (the kernel drops an `fcntl` lock with its process, so a killed run leaves nothing to clean up)."""
+  """An exclusive lock on `<workdir>/lock.<process>` holding the owner's PID and host; released by `release`
+  or at exit (the kernel drops an `fcntl` lock with its process, so a killed run leaves nothing to clean up)."""
 
   def __init__(self, workdir: str, process: int = 0):
     self.path = os.path.join(workdir, f"lock.{process}")
@@ -51,7 +52,7 @@ class Lock:
       raise WorkdirLocked(f"work directory {workdir} is in use by another run (pid {holder}, lock {self.path}); "
                           "wait for it to finish or choose another config.workdir") from None
     self._file.truncate(0)
-    self._file.write(f"{os.getpid()}\n")
+    self._file.write(f"{os.getpid()} on host {socket.gethostname()}\n")
     self._file.flush()
 
   def release(self) -> None:
