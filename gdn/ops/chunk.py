@@ -74,7 +74,7 @@ def isolate_segments(run):
   are zeroed (g = -inf, total forgetting, is kept), and the outputs the recurrence would have made non-finite
   are set to NaN after: a non-finite q_t reaches o_t; a non-finite k, v, g or beta at t reaches o from t to the
   end of its sequence, and the final state if that sequence is the last; a non-finite initial state reaches
-  the first sequence. Gradients are exact wherever the outputs are finite.
+  the first sequence. The gradients of a loss on the other sequences' outputs are exact.
   """
 
   def isolated(q, k, v, g, beta, initial_state, segment_ids):
