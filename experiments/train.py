@@ -15,9 +15,9 @@ import jax
 
 from gdn.train import ConfigError, compile_cache, train
 from gdn.train.checkpoint import ConfigMismatch
+from gdn.train.config_file import resolve, split_argv
 from gdn.train.loop import NonFiniteLoss
 from gdn.train.workdir import WorkdirLocked
-from gdn.train.config_file import resolve, split_argv
 
 USAGE = ("usage: gdn-train --config FILE.py[:ARG] [--config.KEY=VALUE ...]\n"
          "  e.g. gdn-train --config configs/mqar.py:small --config.model.d_model=128 --config.workdir=runs/x")
