@@ -16,7 +16,9 @@ import sys
 
 from gdn.sweep import expand, run_cells, write_report
 from gdn.train import ConfigError, compile_cache
+from gdn.train.checkpoint import ConfigMismatch
 from gdn.train.config_file import apply_overrides, load, split_argv
+from gdn.train.workdir import WorkdirLocked
 
 
 def _parallel_hint(argv_config, overrides, n_cells) -> str:
@@ -56,7 +58,11 @@ def main(argv=None) -> int:
   if not args.report:
     if cells:
       compile_cache.enable(cells[0].config.compilation_cache, cells[0].config.run_dir)
-    run_cells(cells, shard, num_shards)
+    try:
+      run_cells(cells, shard, num_shards)
+    except (ConfigError, ConfigMismatch, WorkdirLocked) as e:  # as gdn-train reports them
+      print(f"error: {e}", file=sys.stderr)
+      return 2
   try:
     paths = write_report(cells, out_dir, title=config.name)
   except FileNotFoundError as e:

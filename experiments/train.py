@@ -1,7 +1,9 @@
 """Train one config: `gdn-train --config configs/mqar.py:small [--config.model.d_model=128 ...]`.
 
 Resumes automatically from the newest good checkpoint in the work directory (config.workdir, default
-runs/<config.name>).
+runs/<config.name>); config.train.resume chooses otherwise (docs/experiments.md). Exit status: 0 done,
+2 a bad config, a config that the work directory's checkpoints do not fit, a missing data file or a work
+directory that another run holds, 3 stopped by a non-finite loss or gradient.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import jax
 from gdn.train import ConfigError, compile_cache, train
 from gdn.train.checkpoint import ConfigMismatch
 from gdn.train.config_file import resolve, split_argv
+from gdn.train.loop import NonFiniteLoss
+from gdn.train.workdir import WorkdirLocked
 
 USAGE = ("usage: gdn-train --config FILE.py[:ARG] [--config.KEY=VALUE ...]\n"
          "  e.g. gdn-train --config configs/mqar.py:small --config.model.d_model=128 --config.workdir=runs/x")
@@ -35,9 +39,12 @@ def main(argv=None) -> int:
   compile_cache.enable(cfg.compilation_cache, cfg.run_dir)
   try:
     summary = train(cfg)
-  except (ConfigError, ConfigMismatch) as e:
+  except (ConfigError, ConfigMismatch, WorkdirLocked) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except NonFiniteLoss as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 3
   if jax.process_index() != 0:  # several hosts: one report
     return 0
   workdir = summary["workdir"]

@@ -154,3 +154,28 @@ def test_token_files_are_memory_mapped(tmp_path):
   np.testing.assert_array_equal(b["targets"][:, :-1], b["inputs"][:, 1:])
   assert isinstance(text.token_stream(str(tmp_path / "train.bin"), "uint16"), np.memmap)
   assert eval_batches(task.evals[0], 3, 0)[0]["inputs"].shape == (3, 16)
+
+
+def test_bad_token_files_fail_naming_the_config_key(tmp_path):
+  good = tmp_path / "good.bin"
+  (np.arange(100, dtype=np.uint16) % 50).tofile(good)
+
+  def make(**kw):
+    fields = dict(seq_len=8, train_file=str(good), val_file=str(good), eval_examples=2, vocab_size=50)
+    return make_task(DataConfig(task="tokens", batch_size=2, text=text.TextConfig(**{**fields, **kw})), 0, 2)
+
+  make()
+  with pytest.raises(FileNotFoundError, match="config.data.text.val_file .*missing.bin"):
+    make(val_file=str(tmp_path / "missing.bin"))
+  with pytest.raises(FileNotFoundError, match="config.data.text.train_file is empty"):
+    make(train_file="")
+  odd = tmp_path / "odd.bin"
+  odd.write_bytes(b"\x01\x02\x03")
+  with pytest.raises(ValueError, match="train_file .* 3 bytes, not a non-zero multiple of 2"):
+    make(train_file=str(odd))
+  with pytest.raises(ValueError, match="token 40 at position 40, outside .*vocab_size=40"):
+    make(vocab_size=40)
+  with pytest.raises(ValueError, match="seq_len"):
+    make(seq_len=200)
+  with pytest.raises(FileNotFoundError, match="config.data.text.corpus_dir"):
+    text.corpus_files(str(tmp_path / "nowhere"), "**/*.py")

@@ -215,6 +215,73 @@ def test_packed_segments_equal_separate_runs(method):
   np.testing.assert_allclose(S, S_p, rtol=1e-5, atol=1e-5)  # the final state is the last segment's
 
 
+def _poisoned_inputs(beta_kind):
+  """Three packed sequences per row over chunks of 16: 0..9, 10..25, 26..36 (the first and second share a
+  chunk, the second and third too). Non-finite inputs: row 0, a NaN v in the first, a NaN q (its own output
+  only), an inf k and a NaN g in the third; row 1, a NaN initial state (the first sequence) and an inf beta at
+  the last position."""
+  x = make_inputs(31, 2, 37, 1, 2, 4, 3, "head", beta_kind)
+  x["segment_ids"] = np.repeat([[0, 1, 2]], [10, 16, 11], axis=1).repeat(2, axis=0).astype(np.int32)
+  x["v"][0, 4, 1, 2] = np.nan
+  x["q"][0, 28, 0, 1] = np.nan
+  x["k"][0, 30, 0, 3] = np.inf
+  x["g"][0, 33, 0] = np.nan
+  x["initial_state"][1, 1, 2, 0] = np.nan
+  x["beta"][1, 36, 0, ...] = np.inf
+  return x
+
+
+@pytest.mark.parametrize("method", ["chunk", "associative"])
+def test_a_non_finite_input_reaches_no_other_packed_sequence(method):
+  """The positions with a non-finite output are the recurrence's; elsewhere outputs and the final state equal
+  the float64 recurrence's, and so do the gradients of a loss on the middle sequence's outputs, which a
+  non-finite value in its neighbours (sharing its chunks) leaves finite."""
+  x = _poisoned_inputs("head")
+  keep = np.zeros(x["v"].shape[:3] + (1,), bool)
+  keep[0, 10:26] = True
+  w = np.random.default_rng(2).normal(size=x["v"].shape) * keep
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def forward_and_grads(method, diff):
+    def loss(d):
+      o, S = ops.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"],
+                                  segment_ids=jnp.asarray(x["segment_ids"]), method=method, chunk_size=16)
+      return jnp.sum(jnp.where(keep, o, 0.0) * jnp.asarray(w, o.dtype)), (o, S)
+    return jax.grad(loss, has_aux=True)(diff)
+
+  f64 = lambda tree: jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
+  got, (o, S) = f64(forward_and_grads(method, {n: jnp.asarray(x[n]) for n in DIFF_ARGS}))
+  with jax.enable_x64(True):
+    want, (o_ref, S_ref) = f64(forward_and_grads("recurrent", {n: jnp.asarray(x[n], jnp.float64)
+                                                               for n in DIFF_ARGS}))
+  bad = ~np.isfinite(o_ref).all(-1)  # [B, T, HV]
+  assert bad[0, 4:10, 1].all() and not bad[0, :4].any() and bad[0, 28].all() and not bad[0, 10:28].any() \
+      and not bad[0, 29].any() and bad[1, :10, 1].all(), "the setup"
+  np.testing.assert_array_equal(~np.isfinite(o).all(-1), bad)
+  np.testing.assert_allclose(o[~bad], o_ref[~bad], rtol=1e-4, atol=1e-5)
+  bad_S = ~np.isfinite(S_ref).all((-2, -1))
+  np.testing.assert_array_equal(~np.isfinite(S).all((-2, -1)), bad_S)
+  np.testing.assert_allclose(S[~bad_S], S_ref[~bad_S], rtol=1e-4, atol=1e-5)
+  for n in ("q", "k", "v", "g", "beta"):
+    assert np.isfinite(got[n]).all(), f"d{n} has non-finite entries"
+    np.testing.assert_allclose(got[n][0, 10:26], want[n][0, 10:26], rtol=1e-4, atol=1e-5, err_msg=f"d{n}")
+    assert not got[n][:, 26:].any() and not got[n][1].any(), f"d{n} reaches another sequence"
+
+
+def test_chunk_size_is_capped_at_the_length():
+  """A chunk longer than the sequence is one chunk of T: the recurrence's numbers, and no padded chunk."""
+  x = make_inputs(32, 1, 11, 1, 2, 4, 3, "channel", "head", segments=True)
+  args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta", "initial_state", "segment_ids")]
+  op = lambda method, chunk_size: jax.jit(lambda q, k, v, g, b, S0, seg: ops.gated_delta_rule(
+      q, k, v, g, b, initial_state=S0, segment_ids=seg, method=method, chunk_size=chunk_size))
+  o_ref, S_ref = op("recurrent", 64)(*args)
+  for method in ("chunk", "associative"):
+    o, S = op(method, 64)(*args)
+    assert rel(np.asarray(o), np.asarray(o_ref)) < 1e-5 and rel(np.asarray(S), np.asarray(S_ref)) < 1e-5, method
+    hlo = op(method, 64).lower(*args).as_text()
+    assert "64x64" not in hlo and "11x11" in hlo, method
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_causality(method):
   """d o_t / d (inputs after t) is exactly zero."""

@@ -42,3 +42,24 @@ def test_report_picks_the_best_rate_and_shows_every_evaluation(tmp_path):
   assert len(best) == 1 + 4 and all(",0.003," in line for line in best[1:])
   for name in ("loss_curves.png", "eval_curves.png"):
     assert os.path.getsize(paths[name]) > 1000
+
+
+def test_a_cell_stopped_by_a_non_finite_step_does_not_end_the_sweep(tmp_path, monkeypatch):
+  from gdn.sweep import grid
+  from gdn.train import NonFiniteLoss
+
+  config = apply_overrides(load(os.path.join(ROOT, "configs", "hybrid.py") + ":small"),
+                           ("sweep.learning_rates=(1e-3,3e-3)",))
+  cells = expand(config, results=str(tmp_path))[:3]
+  trained = []
+
+  def train(cfg, log):
+    trained.append(cfg.name)
+    if len(trained) == 1:
+      raise NonFiniteLoss("step 7: loss nan, gradient norm nan: not finite, stopped")
+
+  monkeypatch.setattr(grid, "train", train)
+  lines = []
+  grid.run_cells(cells, log=lines.append)
+  assert trained == [c.id for c in cells]
+  assert f"{cells[0].id} stopped, left out of the report: step 7" in "\n".join(lines)

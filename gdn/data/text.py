@@ -53,11 +53,12 @@ def default_corpus_dir() -> str:
 def corpus_files(corpus_dir: str, glob: str) -> list:
   root = pathlib.Path(corpus_dir or default_corpus_dir())
   if not root.is_dir():
-    raise FileNotFoundError(f"corpus directory {str(root)!r} does not exist")
+    raise FileNotFoundError(f"config.data.text.corpus_dir {str(root)!r} is not a directory")
   skip = {"site-packages", "dist-packages", "__pycache__"}
   files = sorted(p for p in root.glob(glob) if p.is_file() and not skip & set(p.relative_to(root).parts))
   if not files:
-    raise FileNotFoundError(f"no files match {glob!r} under {str(root)!r}")
+    raise FileNotFoundError(f"no files match config.data.text.glob {glob!r} under config.data.text.corpus_dir "
+                            f"{str(root)!r}")
   return [(str(p.relative_to(root)), p) for p in files]
 
 
@@ -74,10 +75,36 @@ def byte_streams(corpus_dir: str, glob: str, val_fraction: float) -> tuple:
   return tuple(np.frombuffer(sep.join(parts[v]), np.uint8) for v in (False, True))
 
 
-def token_stream(path: str, dtype: str) -> np.ndarray:
-  if not path or not os.path.isfile(path):
-    raise FileNotFoundError(f"token file {path!r} does not exist")
-  return np.memmap(path, dtype=np.dtype(dtype), mode="r")
+def token_stream(path: str, dtype: str, key: str = "train_file", vocab_size: Optional[int] = None) -> np.ndarray:
+  """The tokens of `path` (config.data.text.<key>), memory-mapped. With `vocab_size`, every token is checked to
+  be below it, once per process and file (one pass over the file), so that a wrong
+  token_dtype or vocabulary fails here and not as a silent out-of-range embedding lookup later."""
+  name = f"config.data.text.{key}"
+  if not path:
+    raise FileNotFoundError(f"{name} is empty: data.task='tokens' reads a flat file of {dtype} tokens")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{name} {path!r} does not exist")
+  size, width = os.path.getsize(path), np.dtype(dtype).itemsize
+  if size == 0 or size % width:
+    raise ValueError(f"{name} {path!r} has {size} bytes, not a non-zero multiple of {width} "
+                     f"(config.data.text.token_dtype={dtype!r})")
+  tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+  if vocab_size is not None:
+    _check_tokens(path, dtype, os.path.getmtime(path), vocab_size, name)
+  return tokens
+
+
+@functools.lru_cache(maxsize=8)
+def _check_tokens(path: str, dtype: str, mtime: float, vocab_size: int, name: str) -> None:
+  tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+  step = 1 << 26
+  for start in range(0, len(tokens), step):
+    part = tokens[start:start + step]
+    lo, hi = int(part.min()), int(part.max())
+    if lo < 0 or hi >= vocab_size:
+      at = start + int(np.argmax((part < 0) | (part >= vocab_size)))
+      raise ValueError(f"{name} {path!r} holds token {int(tokens[at])} at position {at}, outside "
+                       f"[0, config.data.text.vocab_size={vocab_size}) (config.data.text.token_dtype={dtype!r})")
 
 
 class Windows:
@@ -87,7 +114,8 @@ class Windows:
     self.stream, self.seq_len = stream, seq_len
     self.n = (len(stream) - 1) // seq_len
     if self.n < 1:
-      raise ValueError(f"a stream of {len(stream)} tokens is shorter than one window of {seq_len + 1}")
+      raise ValueError(f"a stream of {len(stream)} tokens is shorter than one window of "
+                       f"config.data.text.seq_len + 1 = {seq_len + 1}")
 
   def __len__(self):
     return self.n
@@ -104,7 +132,8 @@ def _example(window):
 def streams(cfg: TextConfig, kind: str) -> tuple:
   if kind == "bytes":
     return byte_streams(cfg.corpus_dir, cfg.glob, cfg.val_fraction)
-  return token_stream(cfg.train_file, cfg.token_dtype), token_stream(cfg.val_file, cfg.token_dtype)
+  return tuple(token_stream(getattr(cfg, key), cfg.token_dtype, key, cfg.vocab_size)
+               for key in ("train_file", "val_file"))
 
 
 def train_dataset(cfg: TextConfig, kind: str, batch_size: int, seed: int, num_batches: int,

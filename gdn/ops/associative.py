@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from gdn.ops import checks, intra_chunk
-from gdn.ops.chunk import STATES, finish, initial, prepare, write_vectors
+from gdn.ops.chunk import STATES, finish, initial, isolate_segments, prepare, write_vectors
 
 
 def chunk_maps(loc: intra_chunk.Local, prec):
@@ -63,6 +63,8 @@ def associative(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: ch
     raise ValueError("method='associative' does not support per-value-channel beta ([B, T, HV, V]); "
                      "use method='chunk' or 'recurrent', or a per-head beta [B, T, HV]")
 
+  chunk_size = min(chunk_size, dims.T)  # one chunk of T, not a chunk padded past the sequence
+
   def run(q, k, v, g, beta, initial_state, segment_ids):
     loc, vc, bc, N, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
                                         chunk_size=chunk_size)
@@ -74,4 +76,4 @@ def associative(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: ch
 
   if remat:
     run = jax.checkpoint(run, policy=jax.checkpoint_policies.save_only_these_names(STATES))
-  return run(q, k, v, g, beta, initial_state, segment_ids)
+  return isolate_segments(run)(q, k, v, g, beta, initial_state, segment_ids)

@@ -5,6 +5,8 @@ Shapes: B batch, T time, HV value heads, N chunks, C chunk size, K key dim, V va
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -59,6 +61,51 @@ def _segment_masks(segment_ids, B, T, N, C):
   reaches_end = seg == seg[..., -1:]
   unbroken = seg[..., -1:] == entering
   return same, carries, reaches_end, unbroken
+
+
+def isolate_segments(run):
+  """Wraps a chunked method's `run(q, k, v, g, beta, initial_state, segment_ids) -> (o, S_T)` so that, with
+  segment_ids, a non-finite input reaches exactly the outputs that it reaches in the recurrence, and nothing
+  of another packed sequence, forward or backward.
+
+  A chunk mixes its positions in matmuls and solves whose weights across a reset are exact zeros, but
+  0 * inf = NaN: a NaN in one sequence would reach every sequence sharing its chunks (and, through the
+  cotangents of masked products, their gradients). So the chunk form runs on inputs whose non-finite entries
+  are zeroed (g = -inf, total forgetting, is kept), and the outputs the recurrence would have made non-finite
+  are set to NaN after: a non-finite q_t reaches o_t; a non-finite k, v, g or beta at t reaches o from t to the
+  end of its sequence, and the final state if that sequence is the last; a non-finite initial state reaches
+  the first sequence. The gradients of a loss on the other sequences' outputs are exact.
+  """
+
+  def isolated(q, k, v, g, beta, initial_state, segment_ids):
+    if segment_ids is None:
+      return run(q, k, v, g, beta, initial_state, segment_ids)
+    HV = v.shape[2]
+    ok = lambda x: None if x is None else jnp.isfinite(x)
+    ok_g = None if g is None else ~(jnp.isnan(g) | (g == jnp.inf))
+    clean = lambda x, fine: None if x is None else jnp.where(fine, x, jnp.zeros((), x.dtype))
+    # [B, T, HV]: is any entry of the position's input non-finite (q/k heads repeated to value heads)
+    bad = lambda fine: None if fine is None else expand_heads(~jnp.all(fine.reshape(fine.shape[:3] + (-1,)), -1),
+                                                              HV, 2)
+    oks = dict(q=ok(q), k=ok(k), v=ok(v), g=ok_g, beta=ok(beta))
+    writes = [b for b in map(bad, (oks["k"], oks["v"], oks["g"], oks["beta"])) if b is not None]
+    bad_t = functools.reduce(jnp.logical_or, writes).astype(jnp.int32)  # [B, T, HV]
+    reset = reset_flags(segment_ids, *segment_ids.shape)[..., None]
+    upto = jnp.cumsum(bad_t, axis=1)
+    before_segment = jax.lax.cummax(jnp.where(reset, upto - bad_t, 0), axis=1)
+    reached = upto > before_segment  # a bad write at or before t in t's sequence
+    S0 = initial_state
+    if S0 is not None:
+      ok_S0 = jnp.isfinite(S0)
+      first = (jnp.cumsum(reset, axis=1) == 0)  # [B, T, 1]
+      reached = reached | (first & ~jnp.all(ok_S0, axis=(2, 3))[:, None, :])
+      S0 = clean(S0, ok_S0)
+    o, S_T = run(clean(q, oks["q"]), clean(k, oks["k"]), clean(v, oks["v"]), clean(g, oks["g"]),
+                 clean(beta, oks["beta"]), S0, segment_ids)
+    nan = lambda x, where: jnp.where(where, jnp.asarray(jnp.nan, x.dtype), x)
+    return nan(o, (reached | bad(oks["q"]))[..., None]), nan(S_T, reached[:, -1, :, None, None])
+
+  return isolated
 
 
 def prepare(q, k, v, g, beta, *, scale, segment_ids, dims: checks.Dims, chunk_size: int, solver="blocked"):
@@ -147,6 +194,8 @@ def chunk(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.D
   """`method="chunk"`. With `remat`, the backward keeps only the chunk-entering states and recomputes the
   chunk-local work; off by default because it did not lower XLA's peak memory (docs/benchmarks.md)."""
 
+  chunk_size = min(chunk_size, dims.T)  # one chunk of T, not a chunk padded past the sequence
+
   def run(q, k, v, g, beta, initial_state, segment_ids):
     loc, vc, bc, N, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
                                         chunk_size=chunk_size, solver=solver)
@@ -156,4 +205,4 @@ def chunk(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.D
 
   if remat:
     run = jax.checkpoint(run, policy=jax.checkpoint_policies.save_only_these_names(STATES))
-  return run(q, k, v, g, beta, initial_state, segment_ids)
+  return isolate_segments(run)(q, k, v, g, beta, initial_state, segment_ids)

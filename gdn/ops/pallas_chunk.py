@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gdn.ops import checks, intra_chunk
-from gdn.ops.chunk import finish, initial, prepare
+from gdn.ops.chunk import finish, initial, isolate_segments, prepare
 
 BLOCK_V = 64  # value channels per program: a [128, 64] float32 state is 64 registers a thread at 4 warps
 # bfloat16 callers (DEFAULT precision) get bfloat16 operands in HBM (U0, W, k_end, and the S_in and U the
@@ -343,7 +343,12 @@ def pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.
   if dims.beta_kind == "channel":
     raise ValueError("method='pallas' does not support per-value-channel beta ([B, T, HV, V]); "
                      "use method='chunk' or 'recurrent', or a per-head beta [B, T, HV]")
-  loc, _, _, _, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
-                                    chunk_size=chunk_size)
-  S_T, S_in, U = state_pass(loc, initial(initial_state, dims, cdt), prec, block_v=block_v, interpret=interpret)
-  return finish(loc, S_in, U, prec, dims, chunk_size), S_T.astype(cdt)
+  chunk_size = min(chunk_size, dims.T)
+
+  def run(q, k, v, g, beta, initial_state, segment_ids):
+    loc, _, _, _, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
+                                      chunk_size=chunk_size)
+    S_T, S_in, U = state_pass(loc, initial(initial_state, dims, cdt), prec, block_v=block_v, interpret=interpret)
+    return finish(loc, S_in, U, prec, dims, chunk_size), S_T.astype(cdt)
+
+  return isolate_segments(run)(q, k, v, g, beta, initial_state, segment_ids)

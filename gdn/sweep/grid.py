@@ -12,7 +12,7 @@ import ml_collections
 
 from gdn.train.config import ExperimentConfig, from_dict
 from gdn.train.config_file import apply_overrides
-from gdn.train.loop import train
+from gdn.train.loop import NonFiniteLoss, train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +74,14 @@ def shard_cells(cells, shard: int = 0, num_shards: int = 1) -> list:
 
 def run_cells(cells, shard: int = 0, num_shards: int = 1, log=print) -> None:
   """Trains this shard's cells (`shard_cells`), skipping finished ones; an interrupted cell resumes from its
-  checkpoint."""
+  checkpoint. A cell stopped by a non-finite step (train.skip_nonfinite) is logged and has no summary."""
   mine = shard_cells(cells, shard, num_shards)
   for i, cell in enumerate(mine):
     if done(cell):
       log(f"[{i + 1}/{len(mine)}] {cell.id}: done already")
       continue
     log(f"[{i + 1}/{len(mine)}] {cell.id}")
-    train(cell.config, log=log)
+    try:
+      train(cell.config, log=log)
+    except NonFiniteLoss as e:  # a diverging cell (a learning rate too high) is a result, not the sweep's end
+      log(f"[{i + 1}/{len(mine)}] {cell.id} stopped, left out of the report: {e}")

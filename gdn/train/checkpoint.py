@@ -119,19 +119,38 @@ class Checkpoints:
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(arrays), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
 
-  def _load(self, step: int, template):
+  def _arrays(self, step: int, template=None):
+    """(arrays, data state) of checkpoint `step`, checked against their digest; without a template the
+    arrays are read as saved."""
+    state_args = ocp.args.StandardRestore(None if template is None else to_arrays(template))
     restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(to_arrays(template)), data=ocp.args.JsonRestore(),
-        meta=ocp.args.JsonRestore()))
+        state=state_args, data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
     arrays = jax.tree_util.tree_map(np.asarray, dict(restored["state"]))
     meta = restored["meta"]
     if meta.get("step") != step or digest(arrays) != meta.get("digest"):
       raise IOError("its arrays do not match the digest written with them")
+    return arrays, restored["data"]
+
+  def _load(self, step: int, template):
+    arrays, data_state = self._arrays(step, template)
     try:
       state = from_arrays(arrays, template)
     except ValueError as e:
       raise ConfigMismatch(str(e)) from None
-    return state, restored["data"]
+    return state, data_state
+
+  def restore_params(self, template):
+    """The parameters of the newest checkpoint, shaped like `template` (a TrainState's params); raises
+    ConfigMismatch naming an array the model does not have, FileNotFoundError if there is no checkpoint."""
+    self.manager.reload()
+    step = self.manager.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    arrays, _ = self._arrays(step)
+    try:
+      return from_arrays(arrays["params"], template), step
+    except ValueError as e:
+      raise ConfigMismatch(f"checkpoint {step} in {self.directory}: {e}") from None
 
   def restore_latest(self, template):
     """(state, data_state, step) from the newest good checkpoint, or None if there is none."""

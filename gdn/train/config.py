@@ -17,6 +17,9 @@ class ConfigError(ValueError):
   """A config key is unknown or its value is bad; the message names the key."""
 
 
+RESUME_MODES = ("auto", "fresh", "params_only")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   steps: int = 2000  # length of the learning-rate schedule
@@ -38,6 +41,11 @@ class TrainConfig:
   mesh_data: int = -1  # data-parallel devices (-1: all that mesh_fsdp and mesh_seq leave); gdn/train/sharding.py
   mesh_fsdp: int = 1  # devices that split every parameter and its optimizer state (FSDP)
   mesh_seq: int = 1  # devices that split the time axis of every sequence (context parallelism; docs/scaling.md)
+  # What a launch does with checkpoints in its work directory (gdn/train/workdir.py): "auto" continues them
+  # if the config differs only in resumable keys; "fresh" sets the old run aside and starts again;
+  # "params_only" sets it aside and starts again from its newest parameters (new optimizer, step 0).
+  resume: str = "auto"
+  skip_nonfinite: int = 0  # steps with a non-finite loss or gradient norm to skip before stopping (0: stop at one)
 
   def __post_init__(self):
     for name in ("steps", "log_every", "keep_checkpoints"):
@@ -51,6 +59,10 @@ class TrainConfig:
       raise ValueError(f"mesh_fsdp must be >= 1 and mesh_data >= 1 or -1, got {self.mesh_fsdp}, {self.mesh_data}")
     if not isinstance(self.mesh_seq, int) or self.mesh_seq < 1:
       raise ValueError(f"mesh_seq must be a positive int, got {self.mesh_seq!r}")
+    if self.resume not in RESUME_MODES:
+      raise ValueError(f"resume must be one of {RESUME_MODES}, got {self.resume!r}")
+    if not isinstance(self.skip_nonfinite, int) or self.skip_nonfinite < 0:
+      raise ValueError(f"skip_nonfinite must be an int >= 0, got {self.skip_nonfinite!r}")
     if self.stop_step > self.steps:
       raise ValueError(f"stop_step {self.stop_step} is past steps {self.steps}")
     if self.warmup_steps >= self.steps:

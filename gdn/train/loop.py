@@ -8,19 +8,24 @@ import time
 
 import jax
 import tqdm
+from jax.experimental import multihost_utils
 
 from gdn.data import iterator, make_task
-from gdn.train import checkpoint, evaluate, metrics, optimizer, sharding, step
-from gdn.train.config import ConfigError, ExperimentConfig, to_dict
+from gdn.train import checkpoint, evaluate, metrics, optimizer, sharding, step, workdir as workdirs
+from gdn.train.config import ConfigError, ExperimentConfig
 
 
-def _json_default(x):
-  return list(x) if isinstance(x, tuple) else str(x)
+class NonFiniteLoss(RuntimeError):
+  """Training met more steps with a non-finite loss or gradient norm than train.skip_nonfinite allows."""
 
 
-def write_config(cfg: ExperimentConfig, workdir: str) -> None:
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    json.dump(to_dict(cfg), f, indent=2, default=_json_default)
+def _sync(name: str) -> None:
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def _has_checkpoints(directory: str) -> bool:
+  return os.path.isdir(directory) and any(d.isdigit() for d in os.listdir(directory))
 
 
 class _NoWriter:
@@ -37,17 +42,26 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
   """Trains (or resumes) `cfg` in `cfg.run_dir`; returns the summary also written to summary.json.
 
   The work directory holds config.json (the resolved config), metrics.jsonl, tb/ (TensorBoard),
-  checkpoints/ and summary.json. Several processes (after `jax.distributed.initialize()`) run the same call
-  on a shared work directory: each loads its own rows of every batch, process 0 alone writes the files other
-  than checkpoints and logs.
+  checkpoints/, summary.json and the lock files of the run that holds it (gdn/train/workdir.py: a second
+  run on it is refused, and so is a config its checkpoints do not fit, unless train.resume says otherwise).
+  Several processes (after `jax.distributed.initialize()`) run the same call on a shared work directory: each
+  loads its own rows of every batch, process 0 alone writes the files other than checkpoints and logs.
   """
+  os.makedirs(cfg.run_dir, exist_ok=True)
+  lock = workdirs.Lock(cfg.run_dir, jax.process_index())
+  try:
+    return _train(cfg, log)
+  finally:
+    lock.release()
+
+
+def _train(cfg: ExperimentConfig, log) -> dict:
   workdir = cfg.run_dir
   primary = jax.process_index() == 0
   if not primary:
     log = lambda *a: None
-  os.makedirs(workdir, exist_ok=True)
-  if primary:
-    write_config(cfg, workdir)
+  ckdir = os.path.join(workdir, "checkpoints")
+  mode = workdirs.decide(workdir, workdirs.as_json(cfg), _has_checkpoints(ckdir))
   tc = cfg.train
   last = tc.last_step
   B = cfg.data.batch_size
@@ -64,7 +78,10 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
                       "devices that split the batch (mesh_data * mesh_fsdp)")
   # One process loads whole batches exactly as it always has; with several, each loads its devices' rows.
   rows = sharding.process_rows(mesh, B) if jax.process_count() > 1 else None
-  task = make_task(cfg.data, cfg.seed, last, rows)
+  try:
+    task = make_task(cfg.data, cfg.seed, last, rows)
+  except (OSError, ValueError) as e:  # a missing or malformed data file; the message names its config key
+    raise ConfigError(str(e)) from None
   if task.vocab_size > cfg.model.vocab_size:
     raise ConfigError(f"config.model.vocab_size {cfg.model.vocab_size} is smaller than the vocabulary of task "
                       f"{task.name!r} ({task.vocab_size})")
@@ -73,8 +90,27 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
   graphdef, state = step.init(cfg.model, tx, cfg.seed)
   n_params = step.num_params(state.params)
 
-  ckpts = checkpoint.Checkpoints(os.path.join(workdir, "checkpoints"), tc.keep_checkpoints)
-  restored = ckpts.restore_latest(state)
+  if mode == "params_only":  # read before the old run is moved, so a mismatch leaves it where it was
+    old = checkpoint.Checkpoints(ckdir, tc.keep_checkpoints)
+    try:
+      params, at = old.restore_params(state.params)
+    finally:
+      old.close()
+    state = state.replace(params=params)
+    log(f"starting from the parameters of step {at} of the previous run, with a new optimizer state")
+  # The config is sound: now the work directory changes hands.
+  previous = workdirs.next_previous(workdir)
+  _sync("work directory read")  # every process decides before process 0 moves or writes anything
+  if mode != "resume":
+    if primary:
+      workdirs.set_aside(workdir, previous)
+    log(f"train.resume={mode}: moved the previous run in {workdir} to {previous}")
+  if primary:
+    workdirs.write_config(cfg, workdir)
+  _sync("work directory ready")
+
+  ckpts = checkpoint.Checkpoints(ckdir, tc.keep_checkpoints)
+  restored = None if mode != "resume" else ckpts.restore_latest(state)
   data_state, start = None, 0
   if restored is not None:
     state, data_state, start = restored
@@ -102,16 +138,28 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
                   desc=cfg.name)
   t0 = time.perf_counter()
 
+  skipped = 0  # steps whose update the train step dropped for a non-finite loss or gradient, this launch
+
   def flush(pending):
-    nonlocal window_tokens, window_start
+    nonlocal window_tokens, window_start, skipped
     ps, pm = pending
     pm = {k: float(v) for k, v in jax.device_get(pm).items()}
-    if ps % tc.log_every == 0 or ps == last:
+    if pm["nonfinite"] or ps % tc.log_every == 0 or ps == last:
       now = time.perf_counter()
       pm["tokens_per_s"] = window_tokens / max(now - window_start, 1e-9)
       window_tokens, window_start = 0, now
       writer.write(ps, "train", pm)
       bar.set_postfix(loss=f"{pm['loss']:.4f}", tok_s=f"{pm['tokens_per_s']:.0f}")
+    if pm["nonfinite"]:
+      skipped += 1
+      what = f"step {ps}: loss {pm['loss']}, gradient norm {pm['grad_norm']}"
+      if skipped > tc.skip_nonfinite:
+        kept = ckpts.latest_step()
+        raise NonFiniteLoss(
+            f"{what}: not finite, stopped ({skipped - 1} such steps skipped before, "
+            f"config.train.skip_nonfinite={tc.skip_nonfinite} allowed); nothing after the last good checkpoint "
+            f"({'none yet' if kept is None else f'step {kept}'}) was saved")
+      log(f"{what}: not finite, update skipped ({skipped} of config.train.skip_nonfinite={tc.skip_nonfinite})")
 
   try:
     for s in range(start + 1, last + 1):
@@ -122,10 +170,15 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
         flush(pending)
       pending = (s, m)
       bar.update(1)
-      if (tc.eval_every and s % tc.eval_every == 0) or s == last:
+      evals = (tc.eval_every and s % tc.eval_every == 0) or s == last
+      saves = (tc.checkpoint_every and s % tc.checkpoint_every == 0) or s == last
+      if evals or saves:  # both wait for the step anyway: read its metrics first, to stop before a bad save
+        flush(pending)
+        pending = None
+      if evals:
         final_eval = run_eval(s)
         log(f"step {s}: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(final_eval.items()) if "/" not in k))
-      if (tc.checkpoint_every and s % tc.checkpoint_every == 0) or s == last:
+      if saves:
         ckpts.save(s, state, data.get_state())
     if pending is not None:
       flush(pending)

@@ -101,10 +101,16 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=N
       grads = jax.lax.with_sharding_constraint(grads, sharding.tree_shardings(grads, mesh))
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.global_norm(grads)
+    # A non-finite loss or gradient drops the whole update (the state stays the step's input), so no state
+    # the loop may checkpoint is ever non-finite; the loop reads `nonfinite` and stops or skips on.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new = TrainState(state.step + 1, params, rest, opt_state)
+    new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
     metrics = dict(loss=loss, accuracy=stats["correct"] / jnp.maximum(stats["weight"], 1.0),
-                   grad_norm=optax.global_norm(grads),
-                   lr=lr_shape(state.step) * optimizer.peak_lr(state.opt_state))
-    return TrainState(state.step + 1, params, rest, opt_state), metrics
+                   grad_norm=grad_norm, lr=lr_shape(state.step) * optimizer.peak_lr(state.opt_state),
+                   nonfinite=1.0 - finite.astype(jnp.float32))
+    return new, metrics
 
   return jax.jit(train_step, donate_argnums=0)
 

@@ -1,0 +1,147 @@
+"""The work directory of a run: its lock, and whether a new config may continue the checkpoints it holds.
+
+A run holds an exclusive `fcntl` lock on `lock.<process index>` in its work directory for its whole life, so
+a second run on the same directory (the same command launched twice, a sweep shard run twice) stops at once
+instead of interleaving checkpoints with the first. Every process of a multi-process run locks its own file:
+a second multi-process launch is then refused in every one of its processes, not only in process 0.
+
+`config.json` records the config that wrote the checkpoints. A new config continues them only if it differs
+in the keys of `RESUMABLE` alone; anything else (the model, the data, the optimizer's numbers, the seed) is a
+`ConfigMismatch` naming every differing key, unless `train.resume` asks for "fresh" or "params_only".
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+
+from gdn.train.checkpoint import ConfigMismatch
+from gdn.train.config import ExperimentConfig, to_dict
+
+# Keys a resumed run may change: the run's length and cadence, how it shows progress, where it lives, and the
+# sweep that generated it. The learning rate and AdamW's numbers are not among them: they live in the
+# optimizer state (`optimizer.make_optimizer`), so a new value would be silently ignored; changing them
+# takes train.resume="params_only". train.steps changes the cosine schedule from the current step on.
+RESUMABLE = ("name", "workdir", "compilation_cache", "sweep", "data.num_threads", "data.eval_batch_size",
+             "train.steps", "train.stop_step", "train.log_every", "train.eval_every", "train.checkpoint_every",
+             "train.keep_checkpoints", "train.progress_bar", "train.resume", "train.skip_nonfinite")
+# What a run writes into its work directory besides the lock; "fresh" and "params_only" move it aside.
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "tb", "checkpoints", "corrupt_checkpoints")
+
+
+class WorkdirLocked(RuntimeError):
+  """Another live run holds the work directory."""
+
+
+class Lock:
+  """An exclusive lock on `<workdir>/lock.<process>` holding the owner's PID and host; released by `release`
+  or at exit (the kernel drops an `fcntl` lock with its process, so a killed run leaves nothing to clean up)."""
+
+  def __init__(self, workdir: str, process: int = 0):
+    self.path = os.path.join(workdir, f"lock.{process}")
+    self._file = open(self.path, "a+")
+    try:
+      fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      self._file.seek(0)
+      holder = self._file.read().strip() or "unknown"
+      self._file.close()
+      raise WorkdirLocked(f"work directory {workdir} is in use by another run (pid {holder}, lock {self.path}); "
+                          "wait for it to finish or choose another config.workdir") from None
+    self._file.truncate(0)
+    self._file.write(f"{os.getpid()} on host {socket.gethostname()}\n")
+    self._file.flush()
+
+  def release(self) -> None:
+    if not self._file.closed:
+      fcntl.flock(self._file, fcntl.LOCK_UN)
+      self._file.close()
+
+
+def as_json(cfg) -> dict:
+  """The config as written to config.json (tuples as lists), for comparing with a saved one."""
+  return json.loads(json.dumps(to_dict(cfg), default=lambda x: list(x) if isinstance(x, tuple) else str(x)))
+
+
+def write_config(cfg, workdir: str) -> None:
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(as_json(cfg), f, indent=2)
+
+
+def saved_config(workdir: str):
+  """The config dict in `<workdir>/config.json`, or None."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict) and v:
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def differences(saved: dict, new: dict) -> dict:
+  """{dotted key: (saved value, new value)} for every key that differs and is not RESUMABLE. A key that the
+  saved config lacks counts as its default (a field added to the code since: the old run used its default
+  behaviour); a key that the code no longer has is left out."""
+  a, b, default = _flat(saved), _flat(new), _flat(as_json(ExperimentConfig()))
+  old = lambda k: a.get(k, default.get(k))
+  return {k: (old(k), b[k]) for k in sorted(b)
+          if old(k) != b[k] and not any(k == r or k.startswith(r + ".") for r in RESUMABLE)}
+
+
+def decide(workdir: str, new: dict, has_checkpoints: bool) -> str:
+  """What this launch does with the work directory, given the new config as `as_json` makes it: "resume"
+  (continue, or start if there is nothing to continue), or "fresh" / "params_only" (set the previous run aside
+  first). Raises ConfigMismatch for a config that differs from the checkpoints' in keys other than RESUMABLE
+  under train.resume="auto".
+
+  The switch acts once: a work directory whose config.json already equals the new config, train.resume
+  included, is the run that the switch started, and a relaunch of the same command resumes it.
+  """
+  saved = saved_config(workdir)
+  mode = new["train"]["resume"]
+  if saved == new:
+    return "resume"
+  if not has_checkpoints and mode == "params_only":
+    raise ConfigMismatch(f"config.train.resume='params_only' needs a checkpoint to take the parameters from, "
+                         f"and {workdir} has none")
+  if not has_checkpoints and (saved is None or mode == "auto"):  # nothing to continue, compare or set aside
+    return "resume"
+  if mode != "auto":
+    return mode
+  if saved is None:  # checkpoints from before config.json was written: nothing to compare with
+    return "resume"
+  diff = differences(saved, new)
+  if not diff:
+    return "resume"
+  shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+  raise ConfigMismatch(
+      f"the config differs from the one that wrote the checkpoints in {workdir} in {len(diff)} key(s): {shown}. "
+      "Use the original config, another config.workdir, --config.train.resume=fresh (set the old run aside and "
+      "start again) or --config.train.resume=params_only (start again from its parameters)")
+
+
+def next_previous(workdir: str) -> str:
+  """Where `set_aside` would put the run now in `workdir`: `<workdir>/previous/<n>`, numbered from 1."""
+  root = os.path.join(workdir, "previous")
+  taken = [int(d) for d in os.listdir(root) if d.isdigit()] if os.path.isdir(root) else []
+  return os.path.join(root, str(max(taken, default=0) + 1))
+
+
+def set_aside(workdir: str, dest: str) -> None:
+  """Moves the previous run's files (RUN_FILES) from `workdir` into `dest`."""
+  os.makedirs(dest)
+  for name in RUN_FILES:
+    if os.path.exists(os.path.join(workdir, name)):
+      shutil.move(os.path.join(workdir, name), os.path.join(dest, name))
