@@ -149,7 +149,7 @@ def run_fla(cfg, toks, a) -> dict:
   patched = not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True)
   chunk_o.TRITON_ABOVE_3_7_1 = True
   torch.manual_seed(0)
-  model = fla_model(cfg).cuda()
+  model = fla_model(cfg.model).cuda()
   t = cfg.train
   opt = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, betas=(t.b1, t.b2), eps=t.eps,
                           weight_decay=t.weight_decay, fused=True)
