@@ -1,5 +1,6 @@
 """What a launch does with its work directory: the lock, a config its checkpoints do not fit (refused, or
-train.resume="fresh" / "params_only"), and a step with a non-finite loss (stop, or skip up to a limit).
+train.resume="fresh" / "params_only"), checkpoints that are all damaged (stop, listing them), and a step with a
+non-finite loss (stop, or skip up to a limit).
 
 One tiny attention model; the runs share one work directory where they can, since each compiles its steps."""
 
