@@ -172,6 +172,10 @@ def test_a_changed_data_position_is_corrupt_and_corrupt_copies_are_never_overwri
   # Written before the digest covered the data position: its arrays alone are checked.
   (ckdir / "10" / "meta" / "metadata").write_text(
       json.dumps({"step": 10, "digest": checkpoint.digest(checkpoint.to_arrays(at(10)))}))
+  ck = checkpoint.Checkpoints(str(ckdir), keep=5)
+  with pytest.warns(UserWarning, match="corrupt or partial"):  # train.resume=params_only reads the same way
+    assert ck.restore_params(template.params)[1] == 10
+  ck.close()
   with pytest.warns(UserWarning, match="corrupt or partial"):
     state, data_state, restored_step = restore()
   assert restored_step == 10 and int(state.step) == 10 and data_state == {"next_index": 10}

@@ -159,17 +159,30 @@ class Checkpoints:
     return state, data_state
 
   def restore_params(self, template):
-    """The parameters of the newest checkpoint, shaped like `template` (a TrainState's params); raises
-    ConfigMismatch naming an array the model does not have, FileNotFoundError if there is no checkpoint."""
+    """The parameters of the newest intact checkpoint, shaped like `template` (a TrainState's params), and its
+    step; a damaged one is skipped with a warning (left in place: the caller sets the whole run aside). Raises
+    ConfigMismatch naming an array the model does not have, FileNotFoundError if there is no checkpoint,
+    NoUsableCheckpoint if none is intact."""
     self.manager.reload()
-    step = self.manager.latest_step()
-    if step is None:
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    if not steps:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    arrays, _ = self._arrays(step)
-    try:
-      return from_arrays(arrays["params"], template), step
-    except ValueError as e:
-      raise ConfigMismatch(f"checkpoint {step} in {self.directory}: {e}") from None
+    failed = []
+    for step in steps:
+      try:
+        arrays, _ = self._arrays(step)
+      except Exception as e:  # as in restore_latest
+        reason = f"{type(e).__name__}: {str(e)[:200]}"
+        warnings.warn(f"checkpoint {step} in {self.directory} is corrupt or partial ({reason}); "
+                      "trying the previous one")
+        failed.append(f"step {step} ({reason})")
+        continue
+      try:
+        return from_arrays(arrays["params"], template), step
+      except ValueError as e:
+        raise ConfigMismatch(f"checkpoint {step} in {self.directory}: {e}") from None
+    raise NoUsableCheckpoint(f"train.resume='params_only' found no intact checkpoint in {self.directory}: "
+                             f"{'; '.join(failed)}. Use train.resume=fresh to start without them")
 
   def restore_latest(self, template):
     """(state, data_state, step) from the newest good checkpoint, or None if there is none. A bad one is moved
