@@ -16,7 +16,7 @@ import sys
 
 from gdn.sweep import expand, run_cells, write_report
 from gdn.train import ConfigError, compile_cache
-from gdn.train.checkpoint import ConfigMismatch
+from gdn.train.checkpoint import ConfigMismatch, NoUsableCheckpoint
 from gdn.train.config_file import apply_overrides, load, split_argv
 from gdn.train.workdir import WorkdirLocked
 
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
       compile_cache.enable(cells[0].config.compilation_cache, cells[0].config.run_dir)
     try:
       run_cells(cells, shard, num_shards)
-    except (ConfigError, ConfigMismatch, WorkdirLocked) as e:  # as gdn-train reports them
+    except (ConfigError, ConfigMismatch, NoUsableCheckpoint, WorkdirLocked) as e:  # as gdn-train reports them
       print(f"error: {e}", file=sys.stderr)
       return 2
   try:

@@ -14,7 +14,7 @@ import sys
 import jax
 
 from gdn.train import ConfigError, compile_cache, train
-from gdn.train.checkpoint import ConfigMismatch
+from gdn.train.checkpoint import ConfigMismatch, NoUsableCheckpoint
 from gdn.train.config_file import resolve, split_argv
 from gdn.train.loop import NonFiniteLoss
 from gdn.train.workdir import WorkdirLocked
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
   compile_cache.enable(cfg.compilation_cache, cfg.run_dir)
   try:
     summary = train(cfg)
-  except (ConfigError, ConfigMismatch, WorkdirLocked) as e:
+  except (ConfigError, ConfigMismatch, NoUsableCheckpoint, WorkdirLocked) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except NonFiniteLoss as e:

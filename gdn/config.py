@@ -138,6 +138,8 @@ class AttentionConfig:
       raise ValueError(f"rope_fraction must be in [0, 1], got {self.rope_fraction}")
     if self.window < 0:
       raise ValueError(f"window must be >= 0, got {self.window}")
+    if not self.rope_theta > 0:
+      raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
     _choice("output_gate", self.output_gate, ("none", "sigmoid"))
     _choice("implementation", self.implementation, ("auto", "xla", "cudnn"))
     _choice("rope_scaling", self.rope_scaling, ("none", "yarn"))
@@ -213,6 +215,9 @@ class ModelConfig:
     if "W" in self.pattern and self.attention.window < 1:
       raise ValueError("pattern has sliding-window layers 'W' but attention.window is 0")
     _choice("dtype", self.dtype, ("float32", "bfloat16"))
+    for name in ("mlp_ratio", "norm_eps", "init_std"):
+      if not getattr(self, name) > 0:  # NaN too
+        raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
     if self.mlp_hidden is not None:
       _positive("mlp_hidden", self.mlp_hidden)
     if not self.mlp_pattern or set(self.mlp_pattern) - set(MLP_KINDS):

@@ -74,6 +74,15 @@ def test_unknown_key_or_unparsable_value_names_the_key(override, needle):
     ("data.task=images", "config.data.task"),
     ("data.mqar.power_a=2.0", "config.data.mqar.power_a"),
     ("data.state.task=sorting", "config.data.state.task"),
+    ("train.learning_rate=inf", "config.train.learning_rate"),
+    ("train.learning_rate=nan", "config.train.learning_rate"),
+    ("train.b2=1.0", "config.train.b2"),
+    ("train.eps=0.0", "config.train.eps"),
+    ("train.weight_decay=nan", "config.train.weight_decay"),
+    ("model.init_std=0.0", "config.model.init_std"),
+    ("model.norm_eps=-1e-6", "config.model.norm_eps"),
+    ("model.recurrent.dropout=nan", "config.model.recurrent.dropout"),
+    ("model.attention.rope_theta=inf", "config.model.attention.rope_theta"),
 ])
 def test_bad_value_names_the_key(override, needle):
   config = apply_overrides(base_config(), [override])

@@ -1,5 +1,6 @@
 """What a launch does with its work directory: the lock, a config its checkpoints do not fit (refused, or
-train.resume="fresh" / "params_only"), and a step with a non-finite loss (stop, or skip up to a limit).
+train.resume="fresh" / "params_only"), checkpoints that are all damaged (stop, listing them), and a step with a
+non-finite loss (stop, or skip up to a limit).
 
 One tiny attention model; the runs share one work directory where they can, since each compiles its steps."""
 
@@ -99,6 +100,29 @@ def test_resume_refuses_a_changed_config_unless_asked_and_the_lock_refuses_a_sec
   finally:
     held.release()
   assert sorted(os.listdir(os.path.join(wd, "previous"))) == ["1", "2"]
+
+
+def test_a_workdir_whose_every_checkpoint_is_damaged_stops_listing_them(tmp_path, capsys):
+  wd = str(tmp_path / "run")
+  cfg = _cfg(wd)
+  template = step.init(cfg.model, optimizer.make_optimizer(cfg.train), cfg.seed)[1]
+  ck = checkpoint.Checkpoints(os.path.join(wd, "checkpoints"), 3)
+  for s in (2, 4):
+    ck.save(s, template, {"next_index": s})
+  ck.close()
+  for s in (2, 4):  # positions moved by hand: the digest no longer matches
+    with open(os.path.join(wd, "checkpoints", str(s), "data", "metadata"), "w") as f:
+      json.dump({"next_index": 40}, f)
+
+  args = ["--config", CONFIG, *(f"--config.{o}" for o in TINY), f"--config.workdir={wd}",
+          "--config.compilation_cache="]
+  with pytest.warns(UserWarning, match="corrupt or partial"):
+    assert train_cli.main(args) == 2
+  err = capsys.readouterr().err
+  for s in (4, 2):
+    assert f"step {s} (" in err and f"moved to {os.path.join(wd, 'corrupt_checkpoints', str(s))})" in err
+  assert "train.resume=fresh" in err
+  assert not os.path.exists(os.path.join(wd, "metrics.jsonl"))  # nothing was trained from step 0
 
 
 def _poison(monkeypatch, bad_batches):

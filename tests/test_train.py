@@ -144,6 +144,59 @@ def test_corrupt_or_partial_checkpoint_is_detected_and_skipped(tmp_path):
   assert sorted(os.listdir(tmp_path / "corrupt_checkpoints")) == sorted([str(newest), str(middle)])
 
 
+def test_a_changed_data_position_is_corrupt_and_corrupt_copies_are_never_overwritten(tmp_path):
+  template = _template()
+  ckdir = tmp_path / "checkpoints"
+  aside = tmp_path / "corrupt_checkpoints"
+  at = lambda s: template.replace(step=template.step + s)
+
+  def save(*steps):
+    ck = checkpoint.Checkpoints(str(ckdir), keep=5)
+    for s in steps:
+      ck.save(s, at(s), {"next_index": s})
+    ck.close()
+
+  def position(s, text):
+    (ckdir / str(s) / "data" / "metadata").write_text(text)
+
+  def restore():
+    ck = checkpoint.Checkpoints(str(ckdir), keep=5)
+    try:
+      return ck.restore_latest(template)
+    finally:
+      ck.close()
+
+  save(10, 20, 30)
+  position(30, '{"next_index": 38}')  # moved: would train on other batches
+  position(20, '{"next_idx": 20}')  # misspelt: the iterator could not read it
+  # Written before the digest covered the data position: its arrays alone are checked.
+  (ckdir / "10" / "meta" / "metadata").write_text(
+      json.dumps({"step": 10, "digest": checkpoint.digest(checkpoint.to_arrays(at(10)))}))
+  ck = checkpoint.Checkpoints(str(ckdir), keep=5)
+  with pytest.warns(UserWarning, match="corrupt or partial"):  # train.resume=params_only reads the same way
+    assert ck.restore_params(template.params)[1] == 10
+  ck.close()
+  with pytest.warns(UserWarning, match="corrupt or partial"):
+    state, data_state, restored_step = restore()
+  assert restored_step == 10 and int(state.step) == 10 and data_state == {"next_index": 10}
+  assert sorted(os.listdir(aside)) == ["20", "30"]
+
+  # The same steps written and damaged again, the old one's metadata too: every copy is kept, and with nothing
+  # left to resume from the restore stops, listing each checkpoint, why it failed and where it went.
+  save(20, 30)
+  position(20, '{"next_index": 1}')
+  position(30, '{"next_index": 1}')
+  (ckdir / "10" / "meta" / "metadata").write_text("{")
+  with pytest.warns(UserWarning, match="corrupt or partial"), \
+      pytest.raises(checkpoint.NoUsableCheckpoint) as e:
+    restore()
+  assert sorted(os.listdir(aside)) == ["10", "20", "20.1", "30", "30.1"]
+  assert (aside / "30" / "data" / "metadata").read_text() == '{"next_index": 38}'
+  for s, where in ((30, "30.1"), (20, "20.1"), (10, "10")):
+    assert f"step {s} (" in str(e.value) and f"moved to {aside / where})" in str(e.value)
+  assert "train.resume=fresh" in str(e.value) and not [d for d in os.listdir(ckdir) if d.isdigit()]
+
+
 def test_weight_decay_skips_decay_parameters_norms_and_embeddings():
   params = _template().params
   def named(mask):

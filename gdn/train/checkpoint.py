@@ -1,11 +1,16 @@
 """Checkpoints with orbax's CheckpointManager: periodic, keep-N, atomic, verified on restore.
 
 A checkpoint holds three items: "state" (the TrainState as a nested dict of arrays named by their pytree
-paths), "data" (the data iterator's state, i.e. the position in the batch stream) and "meta" (step and a
-SHA-256 of every array). Orbax makes a save atomic (written to a temporary directory, renamed when
-complete), so a kill mid-save leaves no step directory; the digest catches what atomicity cannot (bytes
-changed or lost on disk later). A checkpoint that fails to load or to match its digest is moved to
-`<dir>/../corrupt_checkpoints/` with a warning and the previous one is tried.
+paths), "data" (the data iterator's state, i.e. the position in the batch stream) and "meta" (step and one
+SHA-256 of every array and of the data position, as canonical JSON). Orbax makes a save atomic (written to a
+temporary directory, renamed when complete), so a kill mid-save leaves no step directory; the digest catches
+what atomicity cannot (bytes changed or lost on disk later, a data position edited by hand). A checkpoint that
+fails to load or to match its digest, in its arrays or in its data position, is moved to
+`<dir>/../corrupt_checkpoints/<step>` (`<step>.1`, `<step>.2`, ... when that name is taken: nothing there is
+ever overwritten) with a warning and the previous one is tried; if every checkpoint fails, restore stops with
+`NoUsableCheckpoint` listing them rather than start again from step 0. Checkpoints written before the digest
+covered the data position (their meta has no "covers") restore with their arrays verified and the data
+position as read.
 
 Several processes: every process calls save and restore (orbax synchronises them). The state is gathered to
 every host as whole arrays, an allgather for an array split over other hosts' devices (FSDP across hosts), so
@@ -80,7 +85,12 @@ def from_arrays(arrays: dict, template):
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def digest(arrays: dict) -> str:
+def _canonical(data_state) -> bytes:
+  return json.dumps(data_state, sort_keys=True, separators=(",", ":")).encode()
+
+
+def digest(arrays: dict, data_state=None) -> str:
+  """SHA-256 of every array (path, dtype, shape, bytes) and, if given, of the data state as canonical JSON."""
   h = hashlib.sha256()
 
   def walk(node, prefix):
@@ -93,11 +103,17 @@ def digest(arrays: dict) -> str:
         h.update(a.tobytes())
 
   walk(arrays, "")
+  if data_state is not None:
+    h.update(b"data:" + _canonical(data_state))
   return h.hexdigest()
 
 
 class ConfigMismatch(ValueError):
   """The checkpoint is intact but was written for a different model or optimizer."""
+
+
+class NoUsableCheckpoint(RuntimeError):
+  """Every checkpoint in the directory failed to load; each was moved aside."""
 
 
 class Checkpoints:
@@ -111,11 +127,11 @@ class Checkpoints:
 
   def save(self, step: int, state, data_state: dict) -> None:
     if jax.process_count() > 1:
-      code = np.frombuffer(hashlib.sha256(json.dumps(data_state, sort_keys=True).encode()).digest(), np.uint8)
+      code = np.frombuffer(hashlib.sha256(_canonical(data_state)).digest(), np.uint8)
       multihost_utils.assert_equal(code, f"the data iterator state differs between processes at step {step}: "
                                          f"{data_state} in process {jax.process_index()}")
     arrays = to_arrays(state)
-    meta = dict(step=int(step), digest=digest(arrays))
+    meta = dict(step=int(step), digest=digest(arrays, data_state), covers=["state", "data"])
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(arrays), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
 
@@ -126,10 +142,13 @@ class Checkpoints:
     restored = self.manager.restore(step, args=ocp.args.Composite(
         state=state_args, data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
     arrays = jax.tree_util.tree_map(np.asarray, dict(restored["state"]))
-    meta = restored["meta"]
-    if meta.get("step") != step or digest(arrays) != meta.get("digest"):
+    meta, data_state = restored["meta"], restored["data"]
+    if "data" in meta.get("covers", ()):
+      if meta.get("step") != step or digest(arrays, data_state) != meta.get("digest"):
+        raise IOError("its arrays or data position do not match the digest written with them")
+    elif meta.get("step") != step or digest(arrays) != meta.get("digest"):  # written before "covers"
       raise IOError("its arrays do not match the digest written with them")
-    return arrays, restored["data"]
+    return arrays, data_state
 
   def _load(self, step: int, template):
     arrays, data_state = self._arrays(step, template)
@@ -140,21 +159,36 @@ class Checkpoints:
     return state, data_state
 
   def restore_params(self, template):
-    """The parameters of the newest checkpoint, shaped like `template` (a TrainState's params); raises
-    ConfigMismatch naming an array the model does not have, FileNotFoundError if there is no checkpoint."""
+    """The parameters of the newest intact checkpoint, shaped like `template` (a TrainState's params), and its
+    step; a damaged one is skipped with a warning (left in place: the caller sets the whole run aside). Raises
+    ConfigMismatch naming an array the model does not have, FileNotFoundError if there is no checkpoint,
+    NoUsableCheckpoint if none is intact."""
     self.manager.reload()
-    step = self.manager.latest_step()
-    if step is None:
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    if not steps:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    arrays, _ = self._arrays(step)
-    try:
-      return from_arrays(arrays["params"], template), step
-    except ValueError as e:
-      raise ConfigMismatch(f"checkpoint {step} in {self.directory}: {e}") from None
+    failed = []
+    for step in steps:
+      try:
+        arrays, _ = self._arrays(step)
+      except Exception as e:  # as in restore_latest
+        reason = f"{type(e).__name__}: {str(e)[:200]}"
+        warnings.warn(f"checkpoint {step} in {self.directory} is corrupt or partial ({reason}); "
+                      "trying the previous one")
+        failed.append(f"step {step} ({reason})")
+        continue
+      try:
+        return from_arrays(arrays["params"], template), step
+      except ValueError as e:
+        raise ConfigMismatch(f"checkpoint {step} in {self.directory}: {e}") from None
+    raise NoUsableCheckpoint(f"train.resume='params_only' found no intact checkpoint in {self.directory}: "
+                             f"{'; '.join(failed)}. Use train.resume=fresh to start without them")
 
   def restore_latest(self, template):
-    """(state, data_state, step) from the newest good checkpoint, or None if there is none."""
+    """(state, data_state, step) from the newest good checkpoint, or None if there is none. A bad one is moved
+    aside and the previous one tried; raises NoUsableCheckpoint if there were checkpoints and none was good."""
     self.manager.reload()
+    failed = []
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
         state, data_state = self._load(step, template)
@@ -163,18 +197,35 @@ class Checkpoints:
         raise ConfigMismatch(f"checkpoint {step} in {self.directory} was written by a different config ({e}); "
                              "use a fresh workdir or the original config") from None
       except Exception as e:  # orbax, tensorstore and json raise many types for damaged files
-        aside = os.path.join(os.path.dirname(self.directory), "corrupt_checkpoints", str(step))
-        warnings.warn(f"checkpoint {step} in {self.directory} is corrupt or partial "
-                      f"({type(e).__name__}: {str(e)[:200]}); moved it to {aside}, trying the previous one")
-        if jax.process_index() == 0:  # the directory is shared: one process moves it, the others wait
-          if os.path.exists(aside):
-            shutil.rmtree(aside)
-          os.makedirs(os.path.dirname(aside), exist_ok=True)
-          shutil.move(os.path.join(self.directory, str(step)), aside)
-        if jax.process_count() > 1:
-          multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
-        self.manager.reload()
+        reason = f"{type(e).__name__}: {str(e)[:200]}"
+        aside = self._move_aside(step)
+        warnings.warn(f"checkpoint {step} in {self.directory} is corrupt or partial ({reason}); moved it to "
+                      f"{aside}, trying the previous one")
+        failed.append(f"step {step} ({reason}; moved to {aside})")
+    if failed:
+      raise NoUsableCheckpoint(
+          f"none of the {len(failed)} checkpoint(s) in {self.directory} could be restored: {'; '.join(failed)}. "
+          "Nothing was trained. Restore a good copy, or start again with --config.train.resume=fresh "
+          "(sets the previous run aside)")
     return None
+
+  def _move_aside(self, step: int) -> str:
+    """Moves checkpoint `step` to a free name under `<dir>/../corrupt_checkpoints/`; returns where."""
+    root = os.path.join(os.path.dirname(self.directory), "corrupt_checkpoints")
+    aside, n = os.path.join(root, str(step)), 0
+    while os.path.exists(aside):  # an earlier copy of this step: keep it
+      n += 1
+      aside = os.path.join(root, f"{step}.{n}")
+    # Every process names the same place before one of them moves it there (the directory is shared).
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"checkpoint {step} to move aside")
+    if jax.process_index() == 0:
+      os.makedirs(root, exist_ok=True)
+      shutil.move(os.path.join(self.directory, str(step)), aside)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
+    self.manager.reload()
+    return aside
 
   def latest_step(self):
     return self.manager.latest_step()

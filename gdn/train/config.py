@@ -7,6 +7,7 @@ and library code: it builds the frozen dataclasses and names the offending key w
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 
 from gdn.config import ModelConfig
@@ -67,12 +68,20 @@ class TrainConfig:
       raise ValueError(f"stop_step {self.stop_step} is past steps {self.steps}")
     if self.warmup_steps >= self.steps:
       raise ValueError(f"warmup_steps {self.warmup_steps} must be smaller than steps {self.steps}")
-    if not self.learning_rate > 0:
-      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+    # Written as `not (...)` so that NaN, which fails every comparison, is refused too.
+    for name in ("learning_rate", "eps"):
+      value = getattr(self, name)
+      if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value}")
+    for name in ("weight_decay", "grad_clip"):
+      value = getattr(self, name)
+      if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
     if not 0.0 <= self.min_lr_ratio <= 1.0:
       raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-    if self.weight_decay < 0 or self.grad_clip < 0:
-      raise ValueError("weight_decay and grad_clip must be >= 0")
+    for name in ("b1", "b2"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
   @property
   def last_step(self) -> int:
@@ -131,6 +140,8 @@ def _build(cls, d, path: str):
   kwargs = {}
   for name, value in d.items():
     hint = hints[name]
+    if isinstance(value, float) and not math.isfinite(value):  # no float key of any section means inf or NaN
+      raise ConfigError(f"bad value for config.{path}.{name}: must be a finite number, got {value}")
     if dataclasses.is_dataclass(hint):
       kwargs[name] = _build(hint, value, f"{path}.{name}")
     elif hint is tuple and isinstance(value, list):
