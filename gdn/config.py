@@ -143,7 +143,7 @@ class ModelConfig:
   pattern: str = "RRRA"
   recurrent: RecurrentConfig = RecurrentConfig()
   attention: AttentionConfig = AttentionConfig()
-  mlp_ratio: float = 4.0  # SwiGLU hidden = round(mlp_ratio * 2/3 * d_model) to a multiple of 8
+  mlp_ratio: float = 4.0  # SwiGLU hidden = round(mlp_ratio * 2/3 * d_model) to a multiple of 8; 0 = no MLP
   tie_embeddings: bool = True
   norm_eps: float = 1e-6
   init_std: float = 0.02
@@ -159,6 +159,8 @@ class ModelConfig:
     if "W" in self.pattern and self.attention.window < 1:
       raise ValueError("pattern has sliding-window layers 'W' but attention.window is 0")
     _choice("dtype", self.dtype, ("float32", "bfloat16"))
+    if not self.mlp_ratio >= 0:
+      raise ValueError(f"mlp_ratio must be >= 0 (0: blocks without an MLP), got {self.mlp_ratio}")
 
   @property
   def layer_kinds(self) -> tuple:

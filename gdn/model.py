@@ -20,7 +20,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 class Block(nnx.Module):
-  """x + mixer(norm(x)), then x + mlp(norm(x))."""
+  """x + mixer(norm(x)), then x + mlp(norm(x)) (no MLP when cfg.mlp_ratio is 0, as in Zoology's MQAR models)."""
 
   def __init__(self, cfg: ModelConfig, kind: str, *, rngs: nnx.Rngs):
     dtype = DTYPES[cfg.dtype]
@@ -38,8 +38,9 @@ class Block(nnx.Module):
       self.mixer = Attention(cfg.attention, cfg.d_model, window=window, norm_eps=cfg.norm_eps, **common)
     else:
       raise ValueError(f"kind must be 'recurrent', 'attention' or 'sliding_window', got {kind!r}")
-    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-    self.mlp = SwiGLU(cfg.d_model, hidden_size(cfg.d_model, cfg.mlp_ratio), **common)
+    has_mlp = cfg.mlp_ratio > 0
+    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps) if has_mlp else None
+    self.mlp = SwiGLU(cfg.d_model, hidden_size(cfg.d_model, cfg.mlp_ratio), **common) if has_mlp else None
 
   def init_cache(self, batch: int, max_len: int):
     return self.mixer.init_cache(batch, max_len)
@@ -47,7 +48,7 @@ class Block(nnx.Module):
   def __call__(self, x, *, segment_ids=None, cache=None, context_axis=None):
     h, cache = self.mixer(self.mixer_norm(x), segment_ids=segment_ids, cache=cache, context_axis=context_axis)
     x = x + h
-    return x + self.mlp(self.mlp_norm(x)), cache
+    return (x if self.mlp is None else x + self.mlp(self.mlp_norm(x))), cache
 
 
 class LanguageModel(nnx.Module):
