@@ -229,3 +229,18 @@ def test_train_step_matches_a_plain_loop_on_mqar():
     theirs.append(float(loss))
   np.testing.assert_allclose(ours, theirs, rtol=2e-5)
   assert ours[-1] < ours[0]
+
+
+def test_early_stop_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_path):
+  from gdn.sweep.grid import Cell, done
+  from gdn.train.loop import train
+
+  cfg = resolve("configs/mqar_probe.py", ("model.d_model=32", "model.attention.head_dim=16", "data.batch_size=8",
+                                          "model.vocab_size=64", "data.mqar.vocab_size=64", "train.steps=40",
+                                          "train.warmup_steps=2", "train.eval_every=10", "data.mqar.eval_examples=8",
+                                          "train.early_stop=0.5", "train.early_stop_metric=loss",
+                                          f"workdir={tmp_path}"))
+  summary = train(cfg, log=lambda *a: None)  # the loss is above 0.5 at the first evaluation
+  assert summary["steps"] == 10 and summary["stopped_early"]
+  assert max(r["step"] for r in read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))) == 10
+  assert done(Cell("m", "s", 0, 1e-3, cfg))

@@ -40,7 +40,9 @@ def collect(cells) -> list:
     x_key = cell.config.sweep.x_key
     rows.append(dict(model=cell.model, setting=cell.setting, seed=cell.seed, lr=cell.lr,
                      x=_get(to_dict(cell.config), x_key) if x_key else None, run_dir=cell.config.run_dir,
-                     params=summary["params"], **{f"eval/{k}": v for k, v in summary["eval"].items()}))
+                     params=summary["params"], steps=summary["steps"],
+                     stopped_early=bool(summary.get("stopped_early")),
+                     **{f"eval/{k}": v for k, v in summary["eval"].items()}))
   return rows
 
 
@@ -126,6 +128,19 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
       else:
         cells_text.append("–")
     lines.append(f"| {m} | " + " | ".join(cells_text) + " |")
+  tc = cells[0].config.train
+  if tc.early_stop > 0:
+    lines += ["", f"Steps trained until eval `{tc.early_stop_metric}` reached {tc.early_stop} (mean ± std over the "
+              f"seeds that reached it at their best rate, of a budget of {tc.last_step}; solved seeds / seeds):", "",
+              "| model | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
+    for m in models:
+      texts = []
+      for s in settings:
+        rs = [r for r in best if r["model"] == m and r["setting"] == s]
+        solved = [r["steps"] for r in rs if r["stopped_early"]]
+        texts.append("–" if not rs else (_cell(np.mean(solved), np.std(solved), len(solved)).replace(".000", "")
+                                         if solved else "never") + f" ({len(solved)}/{len(rs)})")
+      lines.append(f"| {m} | " + " | ".join(texts) + " |")
   lrs = sorted({c.lr for c in cells})
   if len(lrs) > 1:  # a winner that flips with the rate shows here
     by_lr = summarize(rows, metric, by=("model", "setting", "lr"))

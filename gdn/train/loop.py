@@ -93,7 +93,7 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
     writer.write(s, "eval", result)
     return result
 
-  final_eval = None
+  final_eval, stopped = None, False
   # Metrics of step s are fetched after step s + 1 is dispatched, so the host never stalls the device; fetching
   # every step also bounds the steps in flight to two (XLA:CPU can deadlock with many queued donated steps).
   pending = None
@@ -125,8 +125,13 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
       if (tc.eval_every and s % tc.eval_every == 0) or s == last:
         final_eval = run_eval(s)
         log(f"step {s}: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(final_eval.items()) if "/" not in k))
-      if (tc.checkpoint_every and s % tc.checkpoint_every == 0) or s == last:
+        stopped = tc.early_stop > 0 and final_eval[tc.early_stop_metric] >= tc.early_stop
+      if (tc.checkpoint_every and s % tc.checkpoint_every == 0) or s == last or stopped:
         ckpts.save(s, state, data.get_state())
+      if stopped:
+        log(f"step {s}: eval {tc.early_stop_metric} reached {tc.early_stop}; stopping early")
+        last = s
+        break
     if pending is not None:
       flush(pending)
     if final_eval is None:  # resumed at the last step: nothing left to train
@@ -136,8 +141,9 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
     ckpts.close()
     writer.close()
 
-  summary = dict(name=cfg.name, workdir=os.path.abspath(workdir), steps=last, params=n_params,
-                 seconds=time.perf_counter() - t0, eval=final_eval)
+  # steps: the steps trained, fewer than train.last_step when stopped_early.
+  summary = dict(name=cfg.name, workdir=os.path.abspath(workdir), steps=last, stopped_early=stopped,
+                 params=n_params, seconds=time.perf_counter() - t0, eval=final_eval)
   if primary:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
