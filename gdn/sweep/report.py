@@ -102,7 +102,7 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
   chance = chance_level(cells, metric)
   models = list(dict.fromkeys(c.model for c in cells))
   settings = list(dict.fromkeys(c.setting for c in cells))
-  splits = sorted({k.split("/")[1] for k in rows[0] if k.count("/") == 2 and k.startswith("eval/")
+  splits = sorted({k.split("/")[1] for r in rows for k in r if k.count("/") == 2 and k.startswith("eval/")
                    and k.endswith("/" + metric)}, key=_natural)
 
   paths = {}
@@ -117,7 +117,7 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
   lines = [f"# {title or os.path.basename(out_dir)}", "",
            f"Final eval `{metric}`: mean ± std over {len(sweep.seeds)} seed(s) (std over seeds, ddof 0), each "
            f"seed at its best learning rate from {sorted({c.lr for c in cells})}; the rates picked below."
-           + (f" Chance: {chance:.4g}." if chance else ""), "",
+           + (f" Chance: {chance:.4g}." if chance else "") + f" Runs finished: {len(rows)} of {len(cells)}.", "",
            "| model | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
   for m in models:
     cells_text = []
@@ -159,8 +159,9 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
       for s in settings:
         rs = [r for r in best if r["model"] == m and r["setting"] == s]
         if rs:
-          vals = [[r.get(f"eval/{sp}/{metric}", np.nan) for r in rs] for sp in splits]
-          lines.append(f"| {m} | {s} | " + " | ".join(_cell(np.mean(v), np.std(v), len(v)) for v in vals) + " |")
+          vals = [[r[f"eval/{sp}/{metric}"] for r in rs if f"eval/{sp}/{metric}" in r] for sp in splits]
+          lines.append(f"| {m} | {s} | " + " | ".join(_cell(np.mean(v), np.std(v), len(v)) if v else "–"
+                                                       for v in vals) + " |")
   steps = sorted({step for r in best for step in _eval_history(r, metric)})
   if len(steps) > 1:  # the metric at every evaluation shows what a final number hides (e.g. overfitting)
     lines += ["", f"`{metric}` at each evaluation (best learning rate, mean over seeds; the last column is the "
@@ -205,7 +206,7 @@ def _plots(best, models, settings, splits, metric, x_key, out_dir, chance=None) 
       for m in models:
         pts = {}
         for r in best:
-          if r["model"] == m and r["x"] is not None:
+          if r["model"] == m and r["x"] is not None and key in r:
             pts.setdefault(r["x"], []).append(r.get(key, np.nan))
         if pts:
           xs = sorted(pts)
