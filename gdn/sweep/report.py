@@ -82,11 +82,12 @@ def _rates(lrs) -> str:
 
 
 def chance_level(cells, metric: str):
-  """The accuracy of guessing for an accuracy metric of the sweep's task (None for other metrics or tasks)."""
+  """The accuracy of guessing for an accuracy metric of the sweep's task (None for other metrics or tasks, or
+  where the settings' chance levels differ, as over vocabularies)."""
   if metric not in ("accuracy", "last_accuracy") or cells[0].config.data.task in ("bytes", "tokens"):
     return None
-  chance = make_task(cells[0].config.data, 0, 1).chance
-  return chance or None
+  levels = {make_task(d, 0, 1).chance for d in {c.config.data for c in cells}}
+  return levels.pop() or None if len(levels) == 1 else None
 
 
 def write_report(cells, out_dir: str, title: str = "") -> dict:
