@@ -17,6 +17,41 @@ def get_config():
   return base_config()
 
 
+def task(c, name: str, *, batch_size: int, vocab_size: int, num_layers: int, metric: str = "accuracy",
+         mode: str = "max"):
+  """The preamble of a task config: the task, its batch, one vocabulary for the model and the task (MQAR and
+  NIAH draw tokens from data.<task>.vocab_size; the other tasks fix theirs), depth and the sweep's metric."""
+  c.data.task = name
+  c.data.batch_size = batch_size
+  c.model.vocab_size = vocab_size
+  if name in ("mqar", "niah"):
+    c.data[name].vocab_size = vocab_size
+  c.model.num_layers = num_layers
+  c.sweep.metric = metric
+  c.sweep.mode = mode
+  return c
+
+
+def vocab(v: int, task: str = "mqar") -> tuple:
+  """Overrides for one vocabulary size in the model and the task together."""
+  return (f"model.vocab_size={v}", f"data.{task}.vocab_size={v}")
+
+
+def schedule(c, steps: int, warmup: int, *, every: int, learning_rate=None):
+  """`steps` with `warmup` warmup steps, evaluating and checkpointing every `every` steps."""
+  c.train.steps, c.train.warmup_steps = steps, warmup
+  c.train.eval_every = c.train.checkpoint_every = every
+  if learning_rate is not None:
+    c.train.learning_rate = learning_rate
+  return c
+
+
+def cpu(c):
+  """The token scan for the small CPU versions: it compiles faster on CPU than the chunked form."""
+  c.model.recurrent.method = "recurrent"
+  return c
+
+
 def _text(v) -> str:
   return str(v).lower() if isinstance(v, bool) else str(v)
 
@@ -48,21 +83,14 @@ def byte_lm(c, name: str, size: str, num_layers: int):
   """The byte-level language-modelling setup that the block ablations and the hybrid ratios share: the
   full run (4 x 512-byte sequences x 32, 5000 steps) or its small CPU version (128 bytes x 16, 200 steps)."""
   c.name = name if size == "full" else f"{name}_small"
-  c.data.task = "bytes"
-  c.data.batch_size = 32 if size == "full" else 16
+  task(c, "bytes", batch_size=32 if size == "full" else 16, vocab_size=256, num_layers=num_layers,
+       metric="bits_per_byte", mode="min")
   c.data.eval_batch_size = 32
   c.data.text.seq_len = c.data.text.eval_examples = 512 if size == "full" else 128
-  c.model.vocab_size = 256
-  c.model.num_layers = num_layers
-  c.sweep.metric = "bits_per_byte"
-  c.sweep.mode = "min"
   if size == "full":
-    c.train.steps, c.train.warmup_steps, c.train.learning_rate = 5000, 250, 1e-3
-    c.train.eval_every = c.train.checkpoint_every = 1000
+    schedule(c, 5000, 250, every=1000, learning_rate=1e-3)
   else:
-    c.model.recurrent.method = "recurrent"  # compiles faster on CPU than the chunked form
-    c.train.steps, c.train.warmup_steps, c.train.learning_rate = 200, 20, 3e-3
-    c.train.eval_every = c.train.checkpoint_every = 200
+    schedule(cpu(c), 200, 20, every=200, learning_rate=3e-3)
   return c
 
 

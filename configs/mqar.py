@@ -23,33 +23,19 @@ def get_config(size="full"):
   base.check_size(size)
   c = base.get_config()
   c.name = "mqar" if size == "full" else "mqar_small"
-  c.data.task = "mqar"
-  c.data.batch_size = 128
-  c.model.vocab_size = 8192
-  c.data.mqar.vocab_size = 8192
-  c.model.num_layers = 2
+  base.task(c, "mqar", batch_size=128, vocab_size=8192, num_layers=2)
   base.apply(c, base.width(128) + base.mixer("gated_deltanet"))
-  c.train.steps = 10_000
-  c.train.warmup_steps = 500
-  c.train.eval_every = 1000
-  c.train.checkpoint_every = 1000
+  base.schedule(c, 10_000, 500, every=1000)
   c.sweep.models = models(base.MIXERS + ("hybrid_3to1",))
   c.sweep.settings = {f"d{d}": base.width(d) for d in (64, 128, 256)}
   c.sweep.learning_rates = LRS
-  c.sweep.metric = "accuracy"
   c.sweep.x_key = "model.d_model"
   if size == "small":
-    c.data.batch_size = 32
-    c.model.vocab_size = 512
-    c.data.mqar.vocab_size = 512
+    base.task(c, "mqar", batch_size=32, vocab_size=512, num_layers=2)
     c.data.mqar.train_settings = ((64, 4), (128, 8))
     c.data.mqar.eval_settings = ((64, 4), (128, 8))
     c.data.mqar.eval_examples = 256
-    c.model.recurrent.method = "recurrent"  # compiles faster on CPU than the chunked form
-    c.train.steps = 300
-    c.train.warmup_steps = 30
-    c.train.eval_every = 300
-    c.train.checkpoint_every = 300
+    base.schedule(base.cpu(c), 300, 30, every=300)
     c.sweep.models = models(("attention", "deltanet", "gated_deltanet", "hybrid_3to1"))
     c.sweep.settings = {f"d{d}": base.width(d) for d in (32, 64)}
     c.sweep.learning_rates = (3e-3,)

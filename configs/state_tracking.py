@@ -24,33 +24,23 @@ def get_config(size="full"):
   base.check_size(size)
   c = base.get_config()
   c.name = "state_tracking" if size == "full" else "state_tracking_small"
-  c.data.task = "state"
-  c.data.batch_size = 64
+  # 128 tokens cover every state task (S5 has 120)
+  base.task(c, "state", batch_size=64, vocab_size=128, num_layers=2, metric="last_accuracy")
   c.data.state.train_length = 64
   c.data.state.eval_lengths = (64, 256, 512)
-  c.model.vocab_size = 128  # covers every state task (S5 has 120 tokens)
-  c.model.num_layers = 2
   base.apply(c, base.width(128) + base.mixer("deltanet", allow_neg_eigval=True))
-  c.train.steps = 20_000
-  c.train.warmup_steps = 500
-  c.train.eval_every = 2000
-  c.train.checkpoint_every = 2000
+  base.schedule(c, 20_000, 500, every=2000)
   c.sweep.models = models()
   c.sweep.settings = {task: (f"data.state.task={task}",) for task in ("parity", "modular", "modular_brackets")}
   c.sweep.seeds = (0, 1, 2)
   c.sweep.learning_rates = (3e-4, 1e-3, 3e-3)
-  c.sweep.metric = "last_accuracy"
   if size == "small":
     c.data.batch_size = 32
     c.data.state.train_length = 32
     c.data.state.eval_lengths = (32, 128)
     c.data.state.eval_examples = 256
     base.apply(c, base.width(64))
-    c.model.recurrent.method = "recurrent"  # compiles faster on CPU than the chunked form
-    c.train.steps = 400
-    c.train.warmup_steps = 40
-    c.train.eval_every = 400
-    c.train.checkpoint_every = 400
+    base.schedule(base.cpu(c), 400, 40, every=400)
     c.sweep.models = {k: v for k, v in models().items() if k.startswith("deltanet")}
     c.sweep.settings = {task: (f"data.state.task={task}",) for task in ("parity", "modular")}
     c.sweep.seeds = (0,)

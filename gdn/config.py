@@ -189,7 +189,7 @@ class ModelConfig:
   pattern: str = "RRRA"
   recurrent: RecurrentConfig = RecurrentConfig()
   attention: AttentionConfig = AttentionConfig()
-  mlp_ratio: float = 4.0  # SwiGLU hidden = round(mlp_ratio * 2/3 * d_model) to a multiple of 8
+  mlp_ratio: float = 4.0  # SwiGLU hidden = round(mlp_ratio * 2/3 * d_model) to a multiple of 8; 0 = no MLP
   tie_embeddings: bool = True
   norm_eps: float = 1e-6
   init_std: float = 0.02
@@ -215,9 +215,11 @@ class ModelConfig:
     if "W" in self.pattern and self.attention.window < 1:
       raise ValueError("pattern has sliding-window layers 'W' but attention.window is 0")
     _choice("dtype", self.dtype, ("float32", "bfloat16"))
-    for name in ("mlp_ratio", "norm_eps", "init_std"):
+    for name in ("norm_eps", "init_std"):
       if not getattr(self, name) > 0:  # NaN too
         raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+    if not self.mlp_ratio >= 0:  # NaN too
+      raise ValueError(f"mlp_ratio must be >= 0 (0: blocks without an MLP), got {self.mlp_ratio}")
     if self.mlp_hidden is not None:
       _positive("mlp_hidden", self.mlp_hidden)
     if not self.mlp_pattern or set(self.mlp_pattern) - set(MLP_KINDS):

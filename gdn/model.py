@@ -29,7 +29,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 class Block(nnx.Module):
-  """x + mixer(norm(x)), then x + mlp(norm(x))."""
+  """x + mixer(norm(x)), then x + mlp(norm(x)) (no MLP when cfg.mlp_ratio is 0, as in Zoology's MQAR models)."""
 
   def __init__(self, cfg: ModelConfig, kind: str, *, rngs: nnx.Rngs, mlp_kind: str = "dense"):
     dtype = DTYPES[cfg.dtype]
@@ -47,8 +47,12 @@ class Block(nnx.Module):
       self.mixer = Attention(cfg.attention, cfg.d_model, window=window, norm_eps=cfg.norm_eps, **common)
     else:
       raise ValueError(f"kind must be 'recurrent', 'attention' or 'sliding_window', got {kind!r}")
-    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-    if mlp_kind == "moe":
+    # No MLP when the dense width comes out 0 (mlp_ratio 0, mlp_hidden unset), as in Zoology's MQAR models.
+    has_mlp = mlp_kind == "moe" or bool(cfg.mlp_hidden) or cfg.mlp_ratio > 0
+    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps) if has_mlp else None
+    if not has_mlp:
+      self.mlp = None
+    elif mlp_kind == "moe":
       self.mlp = MoE(cfg.moe, cfg.d_model, **common)
     else:
       self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden or hidden_size(cfg.d_model, cfg.mlp_ratio), **common)
@@ -60,6 +64,8 @@ class Block(nnx.Module):
     """router_stats: None, or a list to which an MoE MLP appends its routing statistics."""
     h, cache = self.mixer(self.mixer_norm(x), segment_ids=segment_ids, cache=cache, context_axis=context_axis)
     x = x + h
+    if self.mlp is None:
+      return x, cache
     h = self.mlp_norm(x)
     return x + (self.mlp(h, router_stats) if isinstance(self.mlp, MoE) else self.mlp(h)), cache
 

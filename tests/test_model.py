@@ -70,6 +70,21 @@ def test_tied_embeddings_have_no_head():
   assert n < VOCAB * 32 * 2 + 40_000
 
 
+def test_mlp_ratio_zero_drops_the_mlp():
+  with_mlp = LanguageModel(_cfg(pattern="A", num_layers=2), rngs=nnx.Rngs(0))
+  without = LanguageModel(_cfg(pattern="A", num_layers=2, mlp_ratio=0), rngs=nnx.Rngs(0))
+  assert all(b.mlp is None and b.mlp_norm is None for b in without.blocks)
+  count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
+  hidden = with_mlp.blocks[0].mlp.up_proj.kernel.shape[1]
+  assert count(with_mlp) - count(without) == 2 * (3 * 32 * hidden + 32)
+  tokens = _tokens()
+  assert _logits(without, tokens).shape == (2, 21, VOCAB)
+  # Without the MLP branch the blocks compute something else.
+  assert not np.allclose(_logits(without, tokens), _logits(with_mlp, tokens))
+  with pytest.raises(ValueError, match="mlp_ratio"):
+    _cfg(mlp_ratio=-1)
+
+
 def test_bfloat16_compute_keeps_float32_params():
   model = LanguageModel(_cfg(dtype="bfloat16", pattern="RA", num_layers=2), rngs=nnx.Rngs(0))
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -10,17 +10,17 @@ from gdn.train.config_file import apply_overrides, load
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _fake_run(cell, history):
-  """A finished run whose validation bits per byte were `history` {step: value}; the last is the final one."""
+def _fake_run(cell, history, metric="bits_per_byte", split="val", stopped_early=False):
+  """A finished run whose eval `metric` (one split) was `history` {step: value}; the last is the final one."""
   os.makedirs(cell.config.run_dir)
   final = history[max(history)]
   with open(os.path.join(cell.config.run_dir, "summary.json"), "w") as f:
-    json.dump({"steps": max(history), "params": 1000, "eval": {"val/bits_per_byte": final,
-                                                              "bits_per_byte": final}}, f)
+    json.dump({"steps": max(history), "params": 1000, "stopped_early": stopped_early,
+               "eval": {f"{split}/{metric}": final, metric: final}}, f)
   with open(os.path.join(cell.config.run_dir, "metrics.jsonl"), "w") as f:
     for step, value in sorted(history.items()):
       f.write(json.dumps({"step": step, "train/loss": 2.0 - step / 1000}) + "\n")
-      f.write(json.dumps({"step": step, "eval/val/bits_per_byte": value, "eval/bits_per_byte": value}) + "\n")
+      f.write(json.dumps({"step": step, f"eval/{split}/{metric}": value, f"eval/{metric}": value}) + "\n")
 
 
 def test_report_picks_the_best_rate_and_shows_every_evaluation(tmp_path):
@@ -35,7 +35,9 @@ def test_report_picks_the_best_rate_and_shows_every_evaluation(tmp_path):
       _fake_run(cell, {100: 1.3 + lr_penalty, 200: 1.2 + lr_penalty})
   paths = write_report(cells, str(tmp_path), title="t")
   table = open(paths["table.md"]).read()
-  assert "| attention | 1.400 |" in table and "| gdn | 1.200 |" in table and "| hybrid_7to1 | – |" in table
+  assert "| attention | 1.400 (lr 3e-03) |" in table and "| gdn | 1.200 (lr 3e-03) |" in table
+  assert "| hybrid_7to1 | – |" in table and "Chance" not in table
+  assert "| attention | base | 1.000 | 1.400 |" in table
   assert "| model | setting | step 100 | step 200 |" in table
   assert "| attention | base | 1.000 | 1.400 |" in table and "| gdn | base | 1.300 | 1.200 |" in table
   best = open(paths["best.csv"]).read().splitlines()
@@ -63,3 +65,33 @@ def test_a_cell_stopped_by_a_non_finite_step_does_not_end_the_sweep(tmp_path, mo
   grid.run_cells(cells, log=lines.append)
   assert trained == [c.id for c in cells]
   assert f"{cells[0].id} stopped, left out of the report: step 7" in "\n".join(lines)
+
+
+def test_report_shows_mean_and_std_over_seeds_the_rates_picked_and_every_rate(tmp_path):
+  config = apply_overrides(load(os.path.join(ROOT, "configs", "mqar.py") + ":small"),
+                           ("sweep.learning_rates=(1e-3,3e-3)", "sweep.seeds=(0,1,2)", "train.early_stop=0.75"))
+  cells = expand(config, results=str(tmp_path))
+  for cell in cells:
+    if cell.model not in ("attention", "deltanet"):
+      continue
+    # deltanet: 0.9 / 0.8 / 0.7 by seed at 1e-3, 0.5 at 3e-3; attention: 3e-3 wins for seeds 0 and 1 only
+    if cell.model == "deltanet":
+      final = 0.9 - 0.1 * cell.seed if cell.lr == 1e-3 else 0.5
+    else:
+      final = {(0, 3e-3): 0.6, (1, 3e-3): 0.4, (2, 1e-3): 0.2}.get((cell.seed, cell.lr), 0.1)
+    if final >= 0.75:  # stopped at its first evaluation that reached 0.75 (seeds 0 and 1 of deltanet at 1e-3)
+      _fake_run(cell, {100 * (1 + cell.seed): final}, metric="accuracy", split="T64_P4", stopped_early=True)
+    else:
+      _fake_run(cell, {150: final / 2, 300: final}, metric="accuracy", split="T64_P4")
+  paths = write_report(cells, str(tmp_path), title="t")
+  table = open(paths["table.md"]).read()
+  assert "Chance: 0.003906. Runs finished: 24 of 48." in table  # 2 / 512: one of the 256 values
+  assert "| deltanet | 150 ± 50 (2/3) | 150 ± 50 (2/3) |" in table and "| attention | never (0/3) |" in table
+  assert "| deltanet | 0.800 ± 0.082 (lr 1e-03 ×3) | 0.800 ± 0.082 (lr 1e-03 ×3) |" in table
+  assert "| attention | 0.400 ± 0.163 (lr 1e-03, 3e-03 ×2) |" in table
+  assert "| deltanet | d32 | 0.800 ± 0.082 | 0.500 ± 0.000 |" in table  # every rate, not only the best
+  assert "| attention | d32 | 0.100 ± 0.000 |" not in table
+  assert "| attention | d32 | 0.133 ± 0.047 | 0.367 ± 0.205 |" in table
+  assert "| gated_deltanet | – | – |" in table
+  for name in ("metric_vs_x.png", "loss_curves.png", "eval_curves.png"):
+    assert os.path.getsize(paths[name]) > 1000

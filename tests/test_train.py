@@ -237,3 +237,63 @@ def test_optimizer_matches_plain_adamw():
       np.testing.assert_allclose(np.asarray(p[n]), np.asarray(p_ref[n]), rtol=1e-6, atol=1e-7)
   assert float(optimizer.peak_lr(s)) == pytest.approx(cfg.learning_rate)
   assert float(optimizer.lr_shape(cfg)(cfg.warmup_steps)) == pytest.approx(1.0)
+
+
+def test_train_step_matches_a_plain_loop_on_mqar():
+  """gdn-train's step (its loss, weights, clipping, AdamW, schedule, mask) gives the losses of a plain optax loop
+  written here from scratch, on the same MQAR batches and the same initial attention model: the training path
+  is not why a model fails to learn."""
+  from flax import nnx
+
+  from gdn.data import make_task
+  from gdn.model import LanguageModel
+
+  cfg = resolve("configs/mqar_probe.py", ("model.d_model=32", "model.attention.head_dim=16", "data.batch_size=8",
+                                          "model.vocab_size=64", "data.mqar.vocab_size=64", "train.steps=20",
+                                          "train.warmup_steps=2", "train.learning_rate=3e-3"))
+  tc, n = cfg.train, 6
+  batches = [make_task(cfg.data, 0, n).train[i] for i in range(n)]
+  tx = optimizer.make_optimizer(tc)
+  graphdef, state = step.init(cfg.model, tx, 0)
+  train_step = step.make_train_step(graphdef, tx, optimizer.lr_shape(tc))
+  ours = []
+  for b in batches:
+    state, m = train_step(state, b)
+    ours.append(float(m["loss"]))
+
+  graph, params, rest = nnx.split(LanguageModel(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, ...)
+  sched = optax.warmup_cosine_decay_schedule(0.0, tc.learning_rate, tc.warmup_steps, tc.steps,
+                                             tc.learning_rate * tc.min_lr_ratio)
+  matrices = lambda p: jax.tree_util.tree_map_with_path(lambda path, x: x.ndim > 1 and "embed" not in str(path), p)
+  plain = optax.chain(optax.clip_by_global_norm(tc.grad_clip),
+                      optax.adamw(sched, b1=tc.b1, b2=tc.b2, eps=tc.eps, weight_decay=tc.weight_decay,
+                                  mask=matrices))
+
+  def loss_fn(p, b):
+    logits = nnx.merge(graph, p, rest)(jnp.asarray(b["inputs"]))
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(b["targets"]))
+    return (nll * b["weights"]).sum() / b["weights"].sum()
+
+  opt, theirs = plain.init(params), []
+  for b in batches:
+    loss, g = jax.value_and_grad(loss_fn)(params, b)
+    u, opt = plain.update(g, opt, params)
+    params = optax.apply_updates(params, u)
+    theirs.append(float(loss))
+  np.testing.assert_allclose(ours, theirs, rtol=2e-5)
+  assert ours[-1] < ours[0]
+
+
+def test_early_stop_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_path):
+  from gdn.sweep.grid import Cell, done
+  from gdn.train.loop import train
+
+  cfg = resolve("configs/mqar_probe.py", ("model.d_model=32", "model.attention.head_dim=16", "data.batch_size=8",
+                                          "model.vocab_size=64", "data.mqar.vocab_size=64", "train.steps=40",
+                                          "train.warmup_steps=2", "train.eval_every=10", "data.mqar.eval_examples=8",
+                                          "train.early_stop=0.5", "train.early_stop_metric=loss",
+                                          f"workdir={tmp_path}"))
+  summary = train(cfg, log=lambda *a: None)  # the loss is above 0.5 at the first evaluation
+  assert summary["steps"] == 10 and summary["stopped_early"]
+  assert max(r["step"] for r in read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))) == 10
+  assert done(Cell("m", "s", 0, 1e-3, cfg))

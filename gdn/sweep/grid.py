@@ -59,7 +59,8 @@ def done(cell: Cell) -> bool:
   if not os.path.exists(path):
     return False
   with open(path) as f:
-    return json.load(f).get("steps") == cell.config.train.last_step
+    summary = json.load(f)
+  return summary.get("steps") == cell.config.train.last_step or bool(summary.get("stopped_early"))
 
 
 def shard_cells(cells, shard: int = 0, num_shards: int = 1) -> list:

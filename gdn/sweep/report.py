@@ -1,6 +1,7 @@
-"""A sweep's report: the best learning rate per (model, setting, seed), a markdown table and a CSV of the
-mean over seeds, the metric at every evaluation, and PNG plots (the metric against a config value, loss curves,
-eval curves)."""
+"""A sweep's report: the best learning rate per (model, setting, seed), a markdown table of the mean ± std over
+seeds with the rates each cell picked, the same for every rate of the grid, the metric at every evaluation, CSVs,
+and PNG plots with error bars over seeds, a shared y axis and the task's chance level (the metric against a
+config value, loss curves, eval curves)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 
 import numpy as np
 
+from gdn.data import make_task
 from gdn.train.config import to_dict
 from gdn.train.metrics import read_jsonl
 
@@ -38,7 +40,9 @@ def collect(cells) -> list:
     x_key = cell.config.sweep.x_key
     rows.append(dict(model=cell.model, setting=cell.setting, seed=cell.seed, lr=cell.lr,
                      x=_get(to_dict(cell.config), x_key) if x_key else None, run_dir=cell.config.run_dir,
-                     params=summary["params"], **{f"eval/{k}": v for k, v in summary["eval"].items()}))
+                     params=summary["params"], steps=summary["steps"],
+                     stopped_early=bool(summary.get("stopped_early")),
+                     **{f"eval/{k}": v for k, v in summary["eval"].items()}))
   return rows
 
 
@@ -55,16 +59,35 @@ def best_per_seed(rows, metric: str, mode: str) -> list:
   return list(best.values())
 
 
-def summarize(rows, metric: str) -> dict:
-  """(model, setting) -> (mean, std, n, mean best lr) over seeds."""
+def summarize(rows, metric: str, by=("model", "setting")) -> dict:
+  """key (the values of `by`) -> (mean, std, n, the runs' learning rates) over seeds."""
   groups = {}
   for r in rows:
-    groups.setdefault((r["model"], r["setting"]), []).append(r)
+    groups.setdefault(tuple(r[k] for k in by), []).append(r)
   out = {}
   for key, rs in groups.items():
     v = np.array([r.get(f"eval/{metric}", np.nan) for r in rs], float)
     out[key] = (float(np.mean(v)), float(np.std(v)), len(rs), [r["lr"] for r in rs])
   return out
+
+
+def _cell(mean: float, std: float, n: int) -> str:
+  return f"{mean:.3f} ± {std:.3f}" if n > 1 else f"{mean:.3f}"
+
+
+def _rates(lrs) -> str:
+  """The learning rates the seeds picked: "1e-03" or "1e-03 ×2, 3e-03"."""
+  counts = {lr: lrs.count(lr) for lr in sorted(set(lrs))}
+  return ", ".join(f"{lr:.0e}" + (f" ×{n}" if n > 1 else "") for lr, n in counts.items())
+
+
+def chance_level(cells, metric: str):
+  """The accuracy of guessing for an accuracy metric of the sweep's task (None for other metrics or tasks, or
+  where the settings' chance levels differ, as over vocabularies)."""
+  if metric not in ("accuracy", "last_accuracy") or cells[0].config.data.task in ("bytes", "tokens"):
+    return None
+  levels = {make_task(d, 0, 1).chance for d in {c.config.data for c in cells}}
+  return levels.pop() or None if len(levels) == 1 else None
 
 
 def write_report(cells, out_dir: str, title: str = "") -> dict:
@@ -77,9 +100,10 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
     raise FileNotFoundError(f"no finished runs under {out_dir}/runs")
   best = best_per_seed(rows, metric, mode)
   summary = summarize(best, metric)
+  chance = chance_level(cells, metric)
   models = list(dict.fromkeys(c.model for c in cells))
   settings = list(dict.fromkeys(c.setting for c in cells))
-  splits = sorted({k.split("/")[1] for k in rows[0] if k.count("/") == 2 and k.startswith("eval/")
+  splits = sorted({k.split("/")[1] for r in rows for k in r if k.count("/") == 2 and k.startswith("eval/")
                    and k.endswith("/" + metric)}, key=_natural)
 
   paths = {}
@@ -92,27 +116,53 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
       w.writerows(rs)
 
   lines = [f"# {title or os.path.basename(out_dir)}", "",
-           f"Final eval `{metric}` (mean ± std over {len(sweep.seeds)} seed(s); best learning rate per seed "
-           f"from {sorted({c.lr for c in cells})}).", "",
+           f"Final eval `{metric}`: mean ± std over {len(sweep.seeds)} seed(s) (std over seeds, ddof 0), each "
+           f"seed at its best learning rate from {sorted({c.lr for c in cells})}; the rates picked below."
+           + (f" Chance: {chance:.4g}." if chance else "") + f" Runs finished: {len(rows)} of {len(cells)}.", "",
            "| model | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
   for m in models:
     cells_text = []
     for s in settings:
       if (m, s) in summary:
         mean, std, n, lrs = summary[(m, s)]
-        cells_text.append(f"{mean:.3f} ± {std:.3f}" if n > 1 else f"{mean:.3f}")
+        cells_text.append(f"{_cell(mean, std, n)} (lr {_rates(lrs)})")
       else:
         cells_text.append("–")
     lines.append(f"| {m} | " + " | ".join(cells_text) + " |")
+  tc = cells[0].config.train
+  if tc.early_stop > 0:
+    lines += ["", f"Steps trained until eval `{tc.early_stop_metric}` reached {tc.early_stop} (mean ± std over the "
+              f"seeds that reached it at their best rate, of a budget of {tc.last_step}; solved seeds / seeds):", "",
+              "| model | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
+    for m in models:
+      texts = []
+      for s in settings:
+        rs = [r for r in best if r["model"] == m and r["setting"] == s]
+        solved = [r["steps"] for r in rs if r["stopped_early"]]
+        texts.append("–" if not rs else (_cell(np.mean(solved), np.std(solved), len(solved)).replace(".000", "")
+                                         if solved else "never") + f" ({len(solved)}/{len(rs)})")
+      lines.append(f"| {m} | " + " | ".join(texts) + " |")
+  lrs = sorted({c.lr for c in cells})
+  if len(lrs) > 1:  # a winner that flips with the rate shows here
+    by_lr = summarize(rows, metric, by=("model", "setting", "lr"))
+    lines += ["", f"Every learning rate (`{metric}`, mean ± std over seeds):", "",
+              "| model | setting | " + " | ".join(f"lr {lr:.1e}" for lr in lrs) + " |",
+              "|---" * (len(lrs) + 2) + "|"]
+    for m in models:
+      for s in settings:
+        if any((m, s, lr) in by_lr for lr in lrs):
+          lines.append(f"| {m} | {s} | " + " | ".join(
+              _cell(*by_lr[(m, s, lr)][:3]) if (m, s, lr) in by_lr else "–" for lr in lrs) + " |")
   if splits:
-    lines += ["", f"Per eval split (`{metric}`, mean over seeds):", "",
+    lines += ["", f"Per eval split (`{metric}`, mean ± std over seeds at their best rates):", "",
               "| model | setting | " + " | ".join(splits) + " |", "|---" * (len(splits) + 2) + "|"]
     for m in models:
       for s in settings:
         rs = [r for r in best if r["model"] == m and r["setting"] == s]
         if rs:
-          vals = [np.mean([r.get(f"eval/{sp}/{metric}", np.nan) for r in rs]) for sp in splits]
-          lines.append(f"| {m} | {s} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+          vals = [[r[f"eval/{sp}/{metric}"] for r in rs if f"eval/{sp}/{metric}" in r] for sp in splits]
+          lines.append(f"| {m} | {s} | " + " | ".join(_cell(np.mean(v), np.std(v), len(v)) if v else "–"
+                                                       for v in vals) + " |")
   steps = sorted({step for r in best for step in _eval_history(r, metric)})
   if len(steps) > 1:  # the metric at every evaluation shows what a final number hides (e.g. overfitting)
     lines += ["", f"`{metric}` at each evaluation (best learning rate, mean over seeds; the last column is the "
@@ -129,7 +179,7 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
   with open(paths["table.md"], "w") as f:
     f.write("\n".join(lines) + "\n")
 
-  paths.update(_plots(best, models, settings, splits, metric, sweep.x_key, out_dir))
+  paths.update(_plots(best, models, settings, splits, metric, sweep.x_key, out_dir, chance))
   return paths
 
 
@@ -141,7 +191,9 @@ def _eval_history(row, metric: str) -> dict:
   return {r["step"]: r[f"eval/{metric}"] for r in read_jsonl(path) if f"eval/{metric}" in r}
 
 
-def _plots(best, models, settings, splits, metric, x_key, out_dir) -> dict:
+def _plots(best, models, settings, splits, metric, x_key, out_dir, chance=None) -> dict:
+  """Mean over seeds with ± std error bars (bands for curves); panels share their y axis; a dotted line at
+  `chance` where the metric has one."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -149,17 +201,20 @@ def _plots(best, models, settings, splits, metric, x_key, out_dir) -> dict:
   paths = {}
   if x_key:
     panels = splits or [""]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False, sharey=True)
     for ax, sp in zip(axes[0], panels):
       key = f"eval/{sp}/{metric}" if sp else f"eval/{metric}"
       for m in models:
         pts = {}
         for r in best:
-          if r["model"] == m and r["x"] is not None:
+          if r["model"] == m and r["x"] is not None and key in r:
             pts.setdefault(r["x"], []).append(r.get(key, np.nan))
         if pts:
           xs = sorted(pts)
-          ax.plot(xs, [np.mean(pts[x]) for x in xs], marker="o", label=m)
+          ax.errorbar(xs, [np.mean(pts[x]) for x in xs], yerr=[np.std(pts[x]) for x in xs], marker="o",
+                      capsize=3, label=m)
+      if chance:
+        ax.axhline(chance, color="gray", ls=":", lw=1, label="chance")
       ax.set_xscale("log", base=2)
       ax.set_xlabel(x_key)
       ax.set_title(sp or metric)
@@ -173,7 +228,7 @@ def _plots(best, models, settings, splits, metric, x_key, out_dir) -> dict:
 
   def per_setting(name, ylabel, draw, log=False):
     """One panel per setting, `draw(ax, setting)` plotting every model's curve into it."""
-    fig, axes = plt.subplots(1, len(settings), figsize=(4 * len(settings), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(settings), figsize=(4 * len(settings), 3.4), squeeze=False, sharey=True)
     for ax, s in zip(axes[0], settings):
       draw(ax, s)
       ax.set_title(s)
@@ -196,15 +251,23 @@ def _plots(best, models, settings, splits, metric, x_key, out_dir) -> dict:
       if records:
         ax.plot([x["step"] for x in records], [x["train/loss"] for x in records], label=m, lw=1)
 
-  curves = {(r["model"], r["setting"]): _eval_history(r, metric) for r in best}
+  curves = {}
+  for r in best:
+    curves.setdefault((r["model"], r["setting"]), []).append(_eval_history(r, metric))
 
   def evals(ax, s):
     for m in models:
-      h = curves.get((m, s), {})
-      if h:
-        ax.plot(sorted(h), [h[t] for t in sorted(h)], marker="o", label=m, lw=1)
+      hs = [h for h in curves.get((m, s), []) if h]
+      if hs:
+        steps = sorted({t for h in hs for t in h})
+        v = np.array([[h.get(t, np.nan) for t in steps] for h in hs])
+        mean, std = np.nanmean(v, axis=0), np.nanstd(v, axis=0)
+        line, = ax.plot(steps, mean, marker="o", label=m, lw=1)
+        ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+    if chance:
+      ax.axhline(chance, color="gray", ls=":", lw=1, label="chance")
 
   per_setting("loss_curves.png", "train loss", losses, log=True)
-  if any(len(h) > 1 for h in curves.values()):
+  if any(len(h) > 1 for hs in curves.values() for h in hs):
     per_setting("eval_curves.png", f"eval {metric}", evals)
   return paths

@@ -129,7 +129,7 @@ def _train(cfg: ExperimentConfig, log) -> dict:
     writer.write(s, "eval", result)
     return result
 
-  final_eval = None
+  final_eval, stopped = None, False
   # Metrics of step s are fetched after step s + 1 is dispatched, so the host never stalls the device; fetching
   # every step also bounds the steps in flight to two (XLA:CPU can deadlock with many queued donated steps).
   pending = None
@@ -178,8 +178,13 @@ def _train(cfg: ExperimentConfig, log) -> dict:
       if evals:
         final_eval = run_eval(s)
         log(f"step {s}: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(final_eval.items()) if "/" not in k))
-      if saves:
+        stopped = tc.early_stop > 0 and final_eval[tc.early_stop_metric] >= tc.early_stop
+      if saves or stopped:
         ckpts.save(s, state, data.get_state())
+      if stopped:
+        log(f"step {s}: eval {tc.early_stop_metric} reached {tc.early_stop}; stopping early")
+        last = s
+        break
     if pending is not None:
       flush(pending)
     if final_eval is None:  # resumed at the last step: nothing left to train
@@ -189,8 +194,9 @@ def _train(cfg: ExperimentConfig, log) -> dict:
     ckpts.close()
     writer.close()
 
-  summary = dict(name=cfg.name, workdir=os.path.abspath(workdir), steps=last, params=n_params,
-                 seconds=time.perf_counter() - t0, eval=final_eval)
+  # steps: the steps trained, fewer than train.last_step when stopped_early.
+  summary = dict(name=cfg.name, workdir=os.path.abspath(workdir), steps=last, stopped_early=stopped,
+                 params=n_params, seconds=time.perf_counter() - t0, eval=final_eval)
   if primary:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)

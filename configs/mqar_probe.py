@@ -1,0 +1,27 @@
+"""Why 2-layer attention fails MQAR here: steps to solve at vocabularies 256 / 1024 / 8192 (CPU, small).
+
+  gdn-compare --config configs/mqar_probe.py
+
+One (length, pairs) setting, T = 64 with 4 pairs, trained and evaluated alone; d_model 64, 2 layers,
+batch 64; each run stops at 0.99 eval accuracy or after `train.steps`. Settings are vocabularies.
+"""
+
+from configs import base
+
+
+def get_config():
+  c = base.get_config()
+  c.name = "mqar_probe"
+  base.task(c, "mqar", batch_size=64, vocab_size=8192, num_layers=2)
+  c.data.mqar.train_settings = ((64, 4),)
+  c.data.mqar.eval_settings = ((64, 4),)
+  c.data.mqar.eval_examples = 256
+  base.apply(c, base.width(64) + base.mixer("attention"))
+  base.schedule(c, 4000, 200, every=100)
+  c.train.checkpoint_every = 4000
+  c.train.early_stop = 0.99
+  c.train.progress_bar = False
+  c.sweep.models = {"attention": base.mixer("attention")}
+  c.sweep.settings = {f"vocab{v}": base.vocab(v) for v in (256, 1024, 8192)}
+  c.sweep.learning_rates = (1e-3,)
+  return c

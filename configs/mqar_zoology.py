@@ -1,0 +1,76 @@
+"""MQAR as Zoology trains it for its Figure 2 (Arora et al. 2023), attention and Gated DeltaNet, 3 seeds.
+
+  gdn-compare --config configs/mqar_zoology.py          # GPU: 2 models x 3 settings x d_model 64-512, 3 seeds x 4 rates
+  gdn-compare --config configs/mqar_zoology.py:d128     # one width (arg d<width>): the same grid at d_model 128
+  gdn-compare --config configs/mqar_zoology.py:small    # CPU check of the pipeline: length 64, d_model 64, 400 steps
+
+Copied from Zoology's figure-2 sweep (zoology/experiments/paper_configs/iclr24_zoology_figure2): one model per
+(length, pairs) setting, (64, 4), (128, 8), (256, 16), trained and evaluated on that setting alone; vocabulary
+8192 (keys from the lower half, values from the upper); power-law query gaps (a = 0.01); no random tokens
+between the queries (random_non_queries False); batch 512 at lengths 64 and 128, 256 at length 256; 64 epochs
+of 100,000 examples as steps (12,500 at batch 512, 25,000 at 256); evaluation on 3,000 examples; early stop at
+0.99 accuracy; learning rates logspace(-4, -2, 4) for every model; d_model 64, 128, 256, 512; 2 layers; no
+MLP (Zoology's state mixer is the identity); one attention head of width d_model with biases; AdamW as
+PyTorch's defaults (weight decay 0.01 on every matrix, embeddings included; betas 0.9, 0.999), no gradient
+clipping, cosine decay to 0 without warmup; tied embeddings, init std 0.02, output projections scaled by
+1 / sqrt(2 L).
+
+Not copied: RoPE instead of learned absolute position embeddings; RMSNorm instead of LayerNorm; no dropout
+(Zoology: 0.1 on attention weights and embeddings); fresh examples every step instead of 64 passes over a
+fixed 100,000 (as many sequences, none repeated); the cosine per step instead of per epoch; evaluation every
+500 steps instead of every epoch (196 steps); norms and biases not decayed. Zoology's figure 2 has no Gated
+DeltaNet: ours runs with the same block (one head, no MLP) and grid.
+"""
+
+from configs import base
+
+LRS = (1e-4, 4.6e-4, 2.2e-3, 1e-2)  # np.logspace(-4, -2, 4), rounded
+EXAMPLES, EPOCHS = 100_000, 64
+SETTINGS = ((64, 4, 512), (128, 8, 512), (256, 16, 256))  # length, pairs, batch
+WIDTHS = (64, 128, 256, 512)
+
+
+def setting(T: int, P: int, batch: int, d_model: int) -> tuple:
+  steps = EPOCHS * EXAMPLES // batch
+  return (f"data.mqar.train_settings=(({T},{P}),)", f"data.mqar.eval_settings=(({T},{P}),)",
+          f"data.batch_size={batch}", f"data.eval_batch_size={min(batch, 500)}", f"train.steps={steps}",
+          f"train.checkpoint_every={steps}") + base.width(d_model, num_heads=1)
+
+
+def get_config(size="full"):
+  arg = size
+  small = arg == "small"
+  widths = (int(arg[1:]),) if arg.startswith("d") and arg[1:].isdigit() else WIDTHS
+  if arg not in ("full", "small") and len(widths) == 4:
+    raise ValueError(f"config argument must be 'full', 'small' or d<width> (e.g. d128), got {arg!r}")
+  c = base.get_config()
+  c.name = "mqar_zoology" + ("" if arg == "full" else f"_{arg}")
+  base.task(c, "mqar", batch_size=512, vocab_size=8192, num_layers=2)
+  c.data.mqar.random_non_queries = False
+  c.data.mqar.power_a = 0.01
+  c.data.mqar.eval_examples = 3000
+  c.model.mlp_ratio = 0.0
+  c.model.attention.proj_bias = True
+  base.apply(c, base.width(128, num_heads=1) + base.mixer("attention"))
+  base.schedule(c, EPOCHS * EXAMPLES // 512, 0, every=500)
+  c.train.min_lr_ratio = 0.0
+  c.train.weight_decay = 0.01
+  c.train.decay_embeddings = True
+  c.train.b2 = 0.999
+  c.train.grad_clip = 0.0
+  c.train.early_stop = 0.99
+  c.train.progress_bar = False
+  c.sweep.models = {"attention": base.mixer("attention"), "gated_deltanet": base.mixer("gated_deltanet")}
+  c.sweep.settings = {f"T{T}_P{P}_d{d}": setting(T, P, B, d) for T, P, B in SETTINGS for d in widths}
+  c.sweep.seeds = (0, 1, 2)
+  c.sweep.learning_rates = LRS
+  c.sweep.x_key = "model.d_model"
+  if small:
+    c.data.mqar.eval_examples = 256
+    c.sweep.settings = {f"T64_P4_d{d}": setting(64, 4, 64, d) + ("train.steps=400", "train.checkpoint_every=400")
+                        for d in (64,)}
+    c.sweep.seeds = (0,)
+    c.sweep.learning_rates = (1e-3,)
+    c.train.eval_every = 100
+    base.cpu(c)
+  return c
