@@ -55,12 +55,11 @@ def gdn_side(a, T: int) -> dict:
 
 
 def fla_side(a, T: int) -> dict:
-  import statistics
-  import time
-
   import torch
   import fla.ops.common.chunk_o as chunk_o
   from fla.layers import GatedDeltaNet
+
+  from gdn.bench.timing import time_steps
 
   chunk_o.TRITON_ABOVE_3_7_1 = True
   layer = GatedDeltaNet(hidden_size=a.d_model, expand_v=1, head_dim=a.head_dim, num_heads=a.heads, mode="chunk",
@@ -72,16 +71,8 @@ def fla_side(a, T: int) -> dict:
       y = layer(x)[0]
     y.float().sum().backward()
 
-  for _ in range(3):
-    step()
-  torch.cuda.synchronize()
-  times = []
-  for _ in range(a.reps):
-    t0 = time.perf_counter()
-    step()
-    torch.cuda.synchronize()
-    times.append(1e3 * (time.perf_counter() - t0))
-  return dict(ms=statistics.median(times), peak=torch.cuda.max_memory_allocated())
+  r = time_steps(step, torch.cuda.synchronize, warmup=3, steps=a.reps)
+  return dict(ms=r["step_ms"], peak=torch.cuda.max_memory_allocated())
 
 
 SIDES = {"gdn": gdn_side, "fla": fla_side}

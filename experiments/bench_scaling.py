@@ -115,6 +115,7 @@ def main(argv=None) -> list:
   import jax
   import numpy as np
 
+  from gdn.bench.timing import compiled_bytes
   from gdn.train import optimizer, sharding, step
 
   cfg = experiment_config(args)
@@ -160,9 +161,8 @@ def main(argv=None) -> list:
     batch = sharding.shard_batch(host_batch, mesh)
     train_step = step.make_train_step(graphdef, tx, optimizer.lr_shape(cfg.train), mesh=mesh)
     compiled = train_step.lower(state, batch).compile()
-    mem = compiled.memory_analysis()
-    est = None if mem is None else (mem.argument_size_in_bytes + mem.output_size_in_bytes
-                                    + mem.temp_size_in_bytes - mem.alias_size_in_bytes) / 2**20
+    est = compiled_bytes(compiled)
+    est = None if est is None else est / 2**20
     state, metrics = compiled(state, batch)
     first_loss = float(metrics["loss"])
     for _ in range(args.warmup - 1):
