@@ -342,7 +342,7 @@ def save_model(model: LanguageModel, path) -> dict:
   cfg = model.cfg
   config = fla_config_dict(cfg)
   causal_lm.check_representable(cfg, model_config(config), "fla's GatedDeltaNetForCausalLM")
-  p, D = causal_lm.params(model), cfg.d_model
+  p = causal_lm.params(model)
   rec = cfg.recurrent
   tensors = causal_lm.common_tensors(model, p, FLA_LAYOUT)
   for i, kind in enumerate(cfg.layer_kinds):
