@@ -68,28 +68,62 @@ def test_niah_targets_are_the_needle_value():
       np.testing.assert_array_equal(query_key, x[start + 1:start + 1 + cfg.key_length])
 
 
-def test_parity_and_modular_targets():
-  b = state_tracking.batch(state_tracking.StateConfig(task="parity"), _rng(), 4, 50)
-  np.testing.assert_array_equal(b["targets"], np.cumsum(b["inputs"], 1) % 2)
-  m = 5
-  b = state_tracking.batch(state_tracking.StateConfig(task="modular"), _rng(), 4, 21)
+def _state(task, lengths=(3, 40)):
+  cfg = state_tracking.StateConfig(task=task, train_lengths=lengths)
+  b = state_tracking.train_batch(cfg, _rng(), 64)
+  assert b["inputs"].shape == (64, lengths[1])
+  return b
+
+
+def test_parity_answers_once_at_the_last_bit():
+  b = _state("parity")
+  lengths = set()
   for x, y, w in zip(b["inputs"], b["targets"], b["weights"]):
-    s = x[0]
-    for i in range(2, 21, 2):
-      op, d = x[i - 1] - m, x[i]
-      s = (s + d, s - d, s * d)[op] % m
-      assert w[i] == 1 and y[i] == s
+    n = int((x != 2).sum())  # bits read; the length counts the answer too
+    assert set(x[:n]) <= {0, 1} and (x[n:] == 2).all()
+    assert w.sum() == 1 and w[n - 1] == 1 and y[n - 1] == x[:n].sum() % 2
+    lengths.add(n + 1)
+  assert min(lengths) >= 3 and max(lengths) <= 40 and len(lengths) > 10
+
+
+def _text(x, m, symbols):
+  return "".join(str(int(t)) if t < m else symbols[int(t) - m] for t in x)
+
+
+def test_modular_arithmetic_has_precedence_and_one_answer_at_equals():
+  m = 5
+  b = _state("modular")
+  lengths = set()
+  for x, y, w in zip(b["inputs"], b["targets"], b["weights"]):
+    n = int((x != m + 4).sum())
+    expr = _text(x[:n - 1], m, "+-*")
+    assert x[n - 1] == m + 3 and (x[n:] == m + 4).all()  # "=" last, padding after
+    assert w.sum() == 1 and w[n - 1] == 1
+    assert eval(expr) % m == y[n - 1], expr  # Python's own precedence: * before + and -
+    lengths.add(n + 1)
+  assert all(L % 2 == 1 for L in lengths) and min(lengths) >= 3 and max(lengths) <= 39 and len(lengths) > 8
+  left_to_right = 0  # the batch must hold expressions where the two orders disagree, or the check proves little
+  for x, y, w in zip(b["inputs"], b["targets"], b["weights"]):
+    n = int((x != m + 4).sum())
+    s = int(x[0])
+    for i in range(2, n - 1, 2):
+      s = (s + x[i], s - x[i], s * x[i])[x[i - 1] - m]
+    left_to_right += s % m != y[n - 1]
+  assert left_to_right > 10
 
 
 def test_bracketed_expressions_evaluate_to_their_target():
-  cfg = state_tracking.StateConfig(task="modular_brackets")
-  symbols = {5: "+", 6: "-", 7: "*", 8: "(", 9: ")", 10: "", 11: ""}
-  for T in (12, 33, 64):
-    b = state_tracking.batch(cfg, _rng(T), 8, T)
+  m = 5
+  for lengths in ((3, 40), (40, 64)):
+    b = _state("modular_brackets", lengths)
     for x, y, w in zip(b["inputs"], b["targets"], b["weights"]):
-      expr = "".join(symbols.get(int(t), str(int(t))) for t in x)
-      assert w.sum() == 1 and w[-1] == 1
-      assert eval(expr) % 5 == y[-1]  # fully bracketed, so Python's precedence cannot change the value
+      n = int((x != m + 6).sum())
+      assert x[n - 1] == m + 5 and (x[n:] == m + 6).all() and w.sum() == 1 and w[n - 1] == 1
+      assert max(lengths[0], 5) <= n + 2 <= lengths[1]  # expression, "=", answer and one [PAD]
+      expr = _text(x[:n - 1], m, "+-*()")
+      assert eval(expr) % m == y[n - 1], expr  # unary minus included: Python reads "(3+-2)" the same way
+  tokens = [set(x) for x in _state("modular_brackets")["inputs"]]
+  assert any({m + 1, m + 3} <= t for t in tokens)  # some minus signs and brackets
 
 
 def test_s5_targets_compose_the_permutations():
@@ -101,10 +135,29 @@ def test_s5_targets_compose_the_permutations():
       p = perms[x[t]]
       state = tuple(p[state[j]] for j in range(5))
       assert perms[y[t]] == state
+  b = _state("s5", (3, 12))
+  n = (b["inputs"] != 120).sum(1)
+  np.testing.assert_array_equal(b["weights"].sum(1), n)
+  assert n.min() >= 3 and n.max() <= 12
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(train_lengths=(40, 3)), "train_lengths"),
+    (dict(train_lengths=(1, 40)), "train_lengths"),
+    (dict(train_lengths=40), "train_lengths"),
+    (dict(task="modular_brackets", train_lengths=(3, 4)), "train_lengths"),
+    (dict(eval_lengths=()), "eval_lengths"),
+    (dict(task="modular_brackets", eval_lengths=(4, 64)), "eval_lengths"),
+    (dict(modulus=1), "modulus"),
+    (dict(eval_examples=0), "eval_examples"),
+])
+def test_state_config_errors_name_the_argument(kwargs, needle):
+  with pytest.raises(ValueError, match=needle):
+    state_tracking.StateConfig(**kwargs)
 
 
 def test_eval_splits_are_fixed_and_long():
-  cfg = DataConfig(task="state", state=state_tracking.StateConfig(train_length=16, eval_lengths=(16, 64)))
+  cfg = DataConfig(task="state", state=state_tracking.StateConfig(train_lengths=(3, 16), eval_lengths=(16, 64)))
   task = make_task(cfg, 0, 2)
   assert task.train[0]["inputs"].shape[1] == 16
   long = [s for s in task.evals if s.name == "T64"][0]
@@ -114,7 +167,7 @@ def test_eval_splits_are_fixed_and_long():
 
 
 def test_last_eval_batch_is_padded_with_weightless_rows():
-  cfg = DataConfig(task="state", state=state_tracking.StateConfig(train_length=16, eval_lengths=(16,),
+  cfg = DataConfig(task="state", state=state_tracking.StateConfig(train_lengths=(16, 16), eval_lengths=(16,),
                                                                    eval_examples=10))
   split = make_task(cfg, 0, 2).evals[0]
   batches = eval_batches(split, 4, 0)

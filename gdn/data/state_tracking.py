@@ -1,9 +1,19 @@
-"""State tracking: parity, modular arithmetic with and without brackets, S5 word problems.
+"""State tracking as Grazzi et al. (2025, section 5.1 and appendix E.1) set it up: parity and modular
+arithmetic with and without brackets (Deletang et al. 2023, through xLSTM's generators), plus S5 word problems
+(Merrill et al. 2024).
 
-Trained on short sequences and evaluated on longer ones (length generalisation), as in Grazzi et al. (2025)
-and Merrill et al. (2024). Running tasks (parity, modular, s5) are supervised at every position with the
-state of the prefix so far; "modular_brackets" (a fully bracketed expression, Deletang et al. 2023) only at
-the final "=" with the value of the whole expression.
+Every example draws its own length L from `train_lengths` (min, max) and is right-padded to max, so a batch
+has one shape; the eval splits hold examples of exactly one length each (T40 ... T256). L counts the tokens of
+the authors' sequence, answer included; the model reads the tokens before the answer and is supervised only
+where the answer is predicted:
+- parity: L - 1 random bits; the target at the last bit is their parity.
+- modular: `d op d op ... d =` over Z_modulus with + - *, evaluated with precedence (* before + and -), the
+  value as the target at "="; L odd (an even L gives L - 1, as their generator does).
+- modular_brackets: a random bracketed expression of L - 3 tokens (unary minus included), "=", the value at
+  "=" (L is at least 5, as theirs).
+- s5: L permutations of 5 items; supervised at every position with the product so far.
+Padding (a token of its own) follows the example and carries no weight; the models are causal, so it cannot
+change a prediction.
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ import itertools
 
 import numpy as np
 
-from gdn.data.pipeline import Split, check_settings
+from gdn.data.pipeline import Split
 
 TASKS = ("parity", "modular", "modular_brackets", "s5")
 
@@ -22,23 +32,31 @@ TASKS = ("parity", "modular", "modular_brackets", "s5")
 class StateConfig:
   task: str = "parity"
   modulus: int = 5  # modular arithmetic over Z_modulus with + - *
-  train_length: int = 64
-  eval_lengths: tuple = (64, 256, 512)
+  train_lengths: tuple = (3, 40)  # (min, max): each training example draws its length uniformly from these
+  eval_lengths: tuple = (40, 64, 88, 112, 136, 160, 184, 208, 232, 256)
   eval_examples: int = 512  # per eval length
 
   def __post_init__(self):
     if self.task not in TASKS:
       raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
-    check_settings("eval_lengths", tuple((t,) for t in self.eval_lengths), 1)
-    if self.train_length < 2:
-      raise ValueError(f"train_length must be >= 2, got {self.train_length}")
     if self.modulus < 2:
       raise ValueError(f"modulus must be >= 2, got {self.modulus}")
+    lo = 5 if self.task == "modular_brackets" else 3  # shorter leaves no room for an expression and its "="
+    t = self.train_lengths
+    if not (isinstance(t, tuple) and len(t) == 2 and all(isinstance(x, int) for x in t) and 3 <= t[0] <= t[1]
+            and t[1] >= lo):
+      raise ValueError(f"train_lengths must be (min, max) with 3 <= min <= max and max >= {lo} for "
+                       f"{self.task}, got {t!r}")
+    e = self.eval_lengths
+    if not (isinstance(e, tuple) and e and all(isinstance(x, int) and x >= lo for x in e)):
+      raise ValueError(f"eval_lengths must be a non-empty tuple of ints >= {lo} for {self.task}, got {e!r}")
+    if self.eval_examples < 1:
+      raise ValueError(f"eval_examples must be >= 1, got {self.eval_examples}")
 
 
 def vocab_size(cfg: StateConfig) -> int:
   m = cfg.modulus
-  return {"parity": 2, "modular": m + 3, "modular_brackets": m + 7, "s5": 120}[cfg.task]
+  return {"parity": 3, "modular": m + 5, "modular_brackets": m + 7, "s5": 121}[cfg.task]
 
 
 def chance(cfg: StateConfig) -> float:
@@ -55,87 +73,109 @@ def _s5_table() -> np.ndarray:
 _S5 = None
 
 
-def _parity(rng, B, T):
-  x = rng.integers(0, 2, size=(B, T))
-  return x, np.cumsum(x, 1) % 2, np.ones((B, T), np.float32)
+def _parity(rng, L, W):
+  B = len(L)
+  n = L - 1  # bits read; the answer would be token L
+  pos = np.arange(W)[None]
+  bits = rng.integers(0, 2, size=(B, W))
+  x = np.where(pos < n[:, None], bits, 2)
+  y, w = np.zeros((B, W), np.int64), np.zeros((B, W), np.float32)
+  rows = np.arange(B)
+  y[rows, n - 1] = (x == 1).sum(1) % 2
+  w[rows, n - 1] = 1.0
+  return x, y, w
 
 
-def _s5(rng, B, T):
-  global _S5
-  if _S5 is None:
-    _S5 = _s5_table()
-  x = rng.integers(0, 120, size=(B, T))
-  y = np.empty_like(x)
-  s = x[:, 0]
-  y[:, 0] = s
-  for t in range(1, T):
-    s = _S5[x[:, t], s]
-    y[:, t] = s
-  return x, y, np.ones((B, T), np.float32)
-
-
-def _modular(rng, B, T, m):
-  """d op d op d ...; the target after each digit is the value so far, evaluated left to right."""
-  x = np.empty((B, T), np.int64)
-  y = np.zeros((B, T), np.int64)
-  w = np.zeros((B, T), np.float32)
-  digits = rng.integers(0, m, size=(B, (T + 1) // 2))
-  ops = rng.integers(0, 3, size=(B, T // 2))
-  x[:, 0::2] = digits
-  x[:, 1::2] = m + ops
-  s = digits[:, 0]
-  y[:, 0], w[:, 0] = s, 1.0
-  for i in range(1, digits.shape[1]):
-    d, op = digits[:, i], ops[:, i - 1]
-    s = np.where(op == 0, s + d, np.where(op == 1, s - d, s * d)) % m
-    y[:, 2 * i], w[:, 2 * i] = s, 1.0
+def _modular(rng, L, W, m):
+  """d op d ... d = with + - * evaluated with precedence: a sum of signed products, folded left to right."""
+  B = len(L)
+  minus, times, eq, pad = m + 1, m + 2, m + 3, m + 4
+  k = (L - 1 + L % 2) // 2  # numbers: an odd length s = 2k + 1 holds k numbers, "=" and the answer
+  K = int(k.max())
+  digits = rng.integers(0, m, size=(B, K))
+  ops = rng.integers(0, 3, size=(B, max(K - 1, 1))) + m
+  x = np.full((B, W), pad, np.int64)
+  x[:, 0:2 * K - 1:2] = digits
+  x[:, 1:2 * K - 2:2] = ops[:, :K - 1]
+  rows = np.arange(B)
+  x[np.arange(W)[None] >= 2 * k[:, None]] = pad
+  x[rows, 2 * k - 1] = eq
+  total, term, sign = np.zeros(B, np.int64), digits[:, 0].astype(np.int64), np.ones(B, np.int64)
+  for i in range(1, K):
+    on, op, d = i < k, ops[:, i - 1], digits[:, i]
+    mul = on & (op == times)
+    new = on & ~mul
+    total = np.where(new, (total + sign * term) % m, total)
+    sign = np.where(new, np.where(op == minus, -1, 1), sign)
+    term = np.where(mul, term * d % m, np.where(new, d, term))
+  y, w = np.zeros((B, W), np.int64), np.zeros((B, W), np.float32)
+  y[rows, 2 * k - 1] = (total + sign * term) % m
+  w[rows, 2 * k - 1] = 1.0
   return x, y, w
 
 
 def _expression(rng, n, m):
-  """A fully bracketed expression of exactly n tokens (n odd): (tokens, value mod m)."""
-  if n == 1:
+  """A random expression of exactly n tokens and its value mod m, drawn as xLSTM's generator for Grazzi et
+  al. draws it: below 5 tokens d, -d, (d), (-d); else (left op right) with the left's length uniform in
+  [1, n - 4]."""
+  plus, minus, open_, close = m, m + 1, m + 3, m + 4
+  if n < 5:
     d = int(rng.integers(m))
-    return [d], d
-  if n == 3:  # "(d)": the one length a binary node cannot fill
-    d = int(rng.integers(m))
-    return [m + 3, d, m + 4], d
-  a = 1 + 2 * int(rng.integers((n - 3) // 2))  # odd length of the left operand; the right gets the rest
+    return ([d], [minus, d], [open_, d, close], [open_, minus, d, close])[n - 1], (d, -d, d, -d)[n - 1] % m
+  a = int(rng.integers(1, n - 3))
   left, lv = _expression(rng, a, m)
   right, rv = _expression(rng, n - 3 - a, m)
   op = int(rng.integers(3))
-  value = (lv + rv, lv - rv, lv * rv)[op] % m
-  return [m + 3] + left + [m + op] + right + [m + 4], value
+  return [open_] + left + [plus + op] + right + [close], (lv + rv, lv - rv, lv * rv)[op] % m
 
 
-def _brackets(rng, B, T, m):
-  pad, eq = m + 6, m + 5
-  n = T - 1 if (T - 1) % 2 else T - 2
-  x = np.full((B, T), pad, np.int64)
-  y = np.zeros((B, T), np.int64)
-  w = np.zeros((B, T), np.float32)
+def _brackets(rng, L, W, m):
+  B = len(L)
+  eq, pad = m + 5, m + 6
+  x = np.full((B, W), pad, np.int64)
+  y, w = np.zeros((B, W), np.int64), np.zeros((B, W), np.float32)
   for b in range(B):
+    n = max(int(L[b]), 5) - 3
     tokens, value = _expression(rng, n, m)
-    x[b, T - 1 - n:T - 1] = tokens  # left padding keeps the answer at the last position
-    x[b, T - 1] = eq
-    y[b, T - 1], w[b, T - 1] = value, 1.0
+    x[b, :n] = tokens
+    x[b, n] = eq
+    y[b, n], w[b, n] = value, 1.0
   return x, y, w
 
 
-def batch(cfg: StateConfig, rng: np.random.Generator, batch_size: int, T: int) -> dict:
+def _s5(rng, L, W):
+  global _S5
+  if _S5 is None:
+    _S5 = _s5_table()
+  B = len(L)
+  x = rng.integers(0, 120, size=(B, W))
+  y = np.empty_like(x)
+  s = x[:, 0]
+  y[:, 0] = s
+  for t in range(1, W):
+    s = _S5[x[:, t], s]
+    y[:, t] = s
+  on = np.arange(W)[None] < L[:, None]
+  return np.where(on, x, 120), np.where(on, y, 0), on.astype(np.float32)
+
+
+def batch(cfg: StateConfig, rng: np.random.Generator, batch_size: int, T: int, lo=None) -> dict:
+  """`batch_size` examples of lengths drawn uniformly from [lo, T] (lo None: all of length T), width T."""
+  L = np.full(batch_size, T) if lo is None else rng.integers(lo, T + 1, size=batch_size)
   if cfg.task == "parity":
-    x, y, w = _parity(rng, batch_size, T)
-  elif cfg.task == "s5":
-    x, y, w = _s5(rng, batch_size, T)
+    x, y, w = _parity(rng, L, T)
   elif cfg.task == "modular":
-    x, y, w = _modular(rng, batch_size, T, cfg.modulus)
+    x, y, w = _modular(rng, L, T, cfg.modulus)
+  elif cfg.task == "modular_brackets":
+    x, y, w = _brackets(rng, L, T, cfg.modulus)
   else:
-    x, y, w = _brackets(rng, batch_size, T, cfg.modulus)
+    x, y, w = _s5(rng, L, T)
   return dict(inputs=x.astype(np.int32), targets=y.astype(np.int32), weights=w)
 
 
 def train_batch(cfg: StateConfig, rng: np.random.Generator, batch_size: int) -> dict:
-  return batch(cfg, rng, batch_size, cfg.train_length)
+  lo, hi = cfg.train_lengths
+  return batch(cfg, rng, batch_size, hi, lo)
 
 
 def eval_splits(cfg: StateConfig) -> list:
