@@ -131,7 +131,23 @@ def test_shards_keep_seed_and_learning_rate_siblings_together():
   shards = [shard_cells(cells, i, 5) for i in range(5)]
   assert sorted(c.id for s in shards for c in s) == sorted(c.id for c in cells)
   owner = {c.id: i for i, s in enumerate(shards) for c in s}
-  for c in cells:  # 4 models x 3 tasks = 12 groups of 3 seeds x 3 learning rates
+  for c in cells:  # 4 models x 3 tasks = 12 groups of 3 seeds x 4 learning rates
     siblings = [d for d in cells if (d.model, d.setting) == (c.model, c.setting)]
-    assert len(siblings) == 9 and {owner[d.id] for d in siblings} == {owner[c.id]}
-  assert [len(s) for s in shards] == [27, 27, 18, 18, 18]
+    assert len(siblings) == 12 and {owner[d.id] for d in siblings} == {owner[c.id]}
+  assert [len(s) for s in shards] == [36, 36, 24, 24, 24]
+
+
+def test_state_tracking_follows_grazzi_et_al():
+  """Their appendix E.1: lengths 3-40 for training and 40-256 for testing, 2 layers for parity and 3 with
+  clipping for modular arithmetic, d_model 128 in 4 heads, batch 1024, 100k steps, 3 seeds x 4 rates."""
+  cells = expand(load(os.path.join(ROOT, "configs", "state_tracking.py")), results="/nonexistent")
+  assert len(cells) == 4 * 3 * 3 * 4
+  for c in cells:
+    cfg = c.config
+    assert cfg.data.state.task == c.setting and cfg.data.state.train_lengths == (3, 40)
+    assert cfg.data.state.eval_lengths[0] == 40 and cfg.data.state.eval_lengths[-1] == 256
+    assert (cfg.model.num_layers, cfg.train.grad_clip) == ((2, 0.0) if c.setting == "parity" else (3, 1.0))
+    assert (cfg.model.d_model, cfg.model.recurrent.num_heads, cfg.model.recurrent.head_dim) == (128, 4, 32)
+    assert (cfg.data.batch_size, cfg.train.steps, cfg.train.warmup_steps) == (1024, 100_000, 10_000)
+    assert cfg.sweep.metric == "scaled_accuracy"
+  assert {c.lr for c in cells} == {1e-2, 1e-3, 5e-4, 1e-4} and {c.seed for c in cells} == {0, 1, 2}
