@@ -95,3 +95,23 @@ def test_report_shows_mean_and_std_over_seeds_the_rates_picked_and_every_rate(tm
   assert "| gated_deltanet | – | – |" in table
   for name in ("metric_vs_x.png", "loss_curves.png", "eval_curves.png"):
     assert os.path.getsize(paths[name]) > 1000
+
+
+def test_state_tracking_report_plots_the_metric_against_the_eval_length(tmp_path):
+  config = apply_overrides(load(os.path.join(ROOT, "configs", "state_tracking.py") + ":small"),
+                           ("sweep.seeds=(0,1)",))
+  cells = expand(config, results=str(tmp_path))
+  for cell in cells:
+    os.makedirs(cell.config.run_dir)
+    solved = 1.0 if cell.model.endswith("beta02") else 0.0
+    ev = {f"T{T}/scaled_accuracy": solved - 0.1 * cell.seed * (T > 64) for T in (40, 64, 128, 256)}
+    ev["scaled_accuracy"] = sum(ev.values()) / 4
+    with open(os.path.join(cell.config.run_dir, "summary.json"), "w") as f:
+      json.dump({"steps": 600, "params": 1000, "eval": ev}, f)
+    with open(os.path.join(cell.config.run_dir, "metrics.jsonl"), "w") as f:
+      f.write(json.dumps({"step": 600, "train/loss": 0.5, **{f"eval/{k}": v for k, v in ev.items()}}) + "\n")
+  paths = write_report(cells, str(tmp_path), title="t")
+  table = open(paths["table.md"]).read()
+  assert "Chance: 0." in table  # scaled accuracy: guessing scores 0
+  assert "| deltanet_beta02 | parity | 1.000 ± 0.000 | 1.000 ± 0.000 | 0.950 ± 0.050 | 0.950 ± 0.050 |" in table
+  assert os.path.getsize(paths["scaled_accuracy_vs_length.png"]) > 1000

@@ -1,7 +1,7 @@
 """A sweep's report: the best learning rate per (model, setting, seed), a markdown table of the mean ± std over
 seeds with the rates each cell picked, the same for every rate of the grid, the metric at every evaluation, CSVs,
 and PNG plots with error bars over seeds, a shared y axis and the task's chance level (the metric against a
-config value, loss curves, eval curves)."""
+config value, against the eval length where the splits are lengths, loss curves, eval curves)."""
 
 from __future__ import annotations
 
@@ -83,11 +83,20 @@ def _rates(lrs) -> str:
 
 def chance_level(cells, metric: str):
   """The accuracy of guessing for an accuracy metric of the sweep's task (None for other metrics or tasks, or
-  where the settings' chance levels differ, as over vocabularies)."""
-  if metric not in ("accuracy", "last_accuracy") or cells[0].config.data.task in ("bytes", "tokens"):
+  where the settings' chance levels differ, as over vocabularies); 0 for scaled_accuracy, which is 0 there."""
+  if metric not in ("accuracy", "last_accuracy", "scaled_accuracy") or cells[0].config.data.task in ("bytes",
+                                                                                                     "tokens"):
     return None
   levels = {make_task(d, 0, 1).chance for d in {c.config.data for c in cells}}
+  if metric == "scaled_accuracy":
+    return 0.0 if all(levels) else None
   return levels.pop() or None if len(levels) == 1 else None
+
+
+def train_length(cells):
+  """The longest training sequence, for the tasks that evaluate beyond it (a line in the length plot)."""
+  d = cells[0].config.data
+  return {"state": d.state.train_lengths[-1], "niah": max(d.niah.train_lengths)}.get(d.task)
 
 
 def write_report(cells, out_dir: str, title: str = "") -> dict:
@@ -118,7 +127,7 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
   lines = [f"# {title or os.path.basename(out_dir)}", "",
            f"Final eval `{metric}`: mean ± std over {len(sweep.seeds)} seed(s) (std over seeds, ddof 0), each "
            f"seed at its best learning rate from {sorted({c.lr for c in cells})}; the rates picked below."
-           + (f" Chance: {chance:.4g}." if chance else "") + f" Runs finished: {len(rows)} of {len(cells)}.", "",
+           + (f" Chance: {chance:.4g}." if chance is not None else "") + f" Runs finished: {len(rows)} of {len(cells)}.", "",
            "| model | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
   for m in models:
     cells_text = []
@@ -179,7 +188,7 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
   with open(paths["table.md"], "w") as f:
     f.write("\n".join(lines) + "\n")
 
-  paths.update(_plots(best, models, settings, splits, metric, sweep.x_key, out_dir, chance))
+  paths.update(_plots(best, models, settings, splits, metric, sweep.x_key, out_dir, chance, train_length(cells)))
   return paths
 
 
@@ -191,9 +200,9 @@ def _eval_history(row, metric: str) -> dict:
   return {r["step"]: r[f"eval/{metric}"] for r in read_jsonl(path) if f"eval/{metric}" in r}
 
 
-def _plots(best, models, settings, splits, metric, x_key, out_dir, chance=None) -> dict:
+def _plots(best, models, settings, splits, metric, x_key, out_dir, chance=None, trained=None) -> dict:
   """Mean over seeds with ± std error bars (bands for curves); panels share their y axis; a dotted line at
-  `chance` where the metric has one."""
+  `chance` where the metric has one, a dashed one at the longest training length `trained`."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -213,7 +222,7 @@ def _plots(best, models, settings, splits, metric, x_key, out_dir, chance=None) 
           xs = sorted(pts)
           ax.errorbar(xs, [np.mean(pts[x]) for x in xs], yerr=[np.std(pts[x]) for x in xs], marker="o",
                       capsize=3, label=m)
-      if chance:
+      if chance is not None:
         ax.axhline(chance, color="gray", ls=":", lw=1, label="chance")
       ax.set_xscale("log", base=2)
       ax.set_xlabel(x_key)
@@ -226,13 +235,13 @@ def _plots(best, models, settings, splits, metric, x_key, out_dir, chance=None) 
     fig.savefig(paths["metric_vs_x.png"], dpi=120)
     plt.close(fig)
 
-  def per_setting(name, ylabel, draw, log=False):
+  def per_setting(name, ylabel, draw, log=False, xlabel="step"):
     """One panel per setting, `draw(ax, setting)` plotting every model's curve into it."""
     fig, axes = plt.subplots(1, len(settings), figsize=(4 * len(settings), 3.4), squeeze=False, sharey=True)
     for ax, s in zip(axes[0], settings):
       draw(ax, s)
       ax.set_title(s)
-      ax.set_xlabel("step")
+      ax.set_xlabel(xlabel)
       ax.set_ylabel(ylabel)
       if log:
         ax.set_yscale("log")
@@ -264,10 +273,28 @@ def _plots(best, models, settings, splits, metric, x_key, out_dir, chance=None) 
         mean, std = np.nanmean(v, axis=0), np.nanstd(v, axis=0)
         line, = ax.plot(steps, mean, marker="o", label=m, lw=1)
         ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2)
-    if chance:
+    if chance is not None:
       ax.axhline(chance, color="gray", ls=":", lw=1, label="chance")
 
+  lengths = {sp: int(sp[1:]) for sp in splits if re.fullmatch(r"T\d+", sp)}
+
+  def by_length(ax, s):
+    """The final metric at each eval length: generalisation beyond the training lengths."""
+    for m in models:
+      rs = [r for r in best if r["model"] == m and r["setting"] == s]
+      pts = {T: [r[f"eval/{sp}/{metric}"] for r in rs if f"eval/{sp}/{metric}" in r] for sp, T in lengths.items()}
+      xs = sorted(T for T, v in pts.items() if v)
+      if xs:
+        ax.errorbar(xs, [np.mean(pts[T]) for T in xs], yerr=[np.std(pts[T]) for T in xs], marker="o", ms=3,
+                    capsize=3, label=m)
+    if chance is not None:
+      ax.axhline(chance, color="gray", ls=":", lw=1, label="chance")
+    if trained:
+      ax.axvline(trained, color="red", ls="--", lw=1, label="longest training length")
+
   per_setting("loss_curves.png", "train loss", losses, log=True)
+  if len(lengths) > 1 and len(lengths) == len(splits):
+    per_setting(f"{metric}_vs_length.png", metric, by_length, xlabel="eval length")
   if any(len(h) > 1 for hs in curves.values() for h in hs):
     per_setting("eval_curves.png", f"eval {metric}", evals)
   return paths
