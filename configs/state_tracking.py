@@ -17,9 +17,9 @@ Not copied: the cosine ends at 1e-3 x the peak rate (theirs at 1e-6 whatever the
 Adam's b2 0.999 is PyTorch's default, which their code uses; the test set is 512 examples at each of 10
 lengths 40, 64, ..., 256 (theirs: 8,192 at lengths uniform in 40-256; the mean over our evenly spaced lengths
 estimates the same average); blocks are ours (pre-norm RMSNorm, SwiGLU MLP of ratio 4, as fla's DeltaNet
-that they used); the report picks each seed's best rate (theirs: the rate with the best median over seeds,
-then the best seed of that rate for Table 3 and the median for Table 5). Gated DeltaNet is ours: the paper
-has no Gated DeltaNet rows.
+that they used). The report's main table picks each seed's best rate; its table by their rule (the rate with
+the best median over seeds, then that rate's best seed as their Table 3 and its median as Table 5) is the one
+to set beside theirs. Gated DeltaNet is ours: the paper has no Gated DeltaNet rows.
 """
 
 from configs import base

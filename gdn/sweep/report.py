@@ -71,6 +71,24 @@ def summarize(rows, metric: str, by=("model", "setting")) -> dict:
   return out
 
 
+def median_rate(rows, model: str, setting: str, metric: str, mode: str):
+  """(lr, best, median, median absolute deviation, seeds) at the rate whose median over seeds is best, as
+  Grazzi et al. pick it (their Table 3 gives that rate's best seed, Table 5 its median ± MAD); None without
+  runs."""
+  by_lr = {}
+  for r in rows:
+    if r["model"] == model and r["setting"] == setting:
+      by_lr.setdefault(r["lr"], []).append(r.get(f"eval/{metric}", np.nan))
+  if not by_lr:
+    return None
+  pick, worst = (max, -np.inf) if mode == "max" else (min, np.inf)
+  lr = pick(sorted(by_lr), key=lambda lr: np.nan_to_num(np.median(by_lr[lr]), nan=worst))
+  v = np.array(by_lr[lr], float)
+  med = float(np.median(v))
+  best = np.nanmax(v) if mode == "max" else np.nanmin(v)
+  return lr, float(best), med, float(np.median(np.abs(v - med))), len(v)
+
+
 def _cell(mean: float, std: float, n: int) -> str:
   return f"{mean:.3f} ± {std:.3f}" if n > 1 else f"{mean:.3f}"
 
@@ -127,7 +145,8 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
   lines = [f"# {title or os.path.basename(out_dir)}", "",
            f"Final eval `{metric}`: mean ± std over {len(sweep.seeds)} seed(s) (std over seeds, ddof 0), each "
            f"seed at its best learning rate from {sorted({c.lr for c in cells})}; the rates picked below."
-           + (f" Chance: {chance:.4g}." if chance is not None else "") + f" Runs finished: {len(rows)} of {len(cells)}.", "",
+           + ("" if chance is None else f" Chance: {chance:.4g}.")
+           + f" Runs finished: {len(rows)} of {len(cells)}.", "",
            "| model | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
   for m in models:
     cells_text = []
@@ -162,6 +181,16 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
         if any((m, s, lr) in by_lr for lr in lrs):
           lines.append(f"| {m} | {s} | " + " | ".join(
               _cell(*by_lr[(m, s, lr)][:3]) if (m, s, lr) in by_lr else "–" for lr in lrs) + " |")
+  if len(sweep.seeds) > 1:
+    lines += ["", f"One rate per cell, the one whose median over seeds is best (Grazzi et al.'s rule): the best "
+              f"seed; the median ± median absolute deviation (`{metric}`):", "",
+              "| model | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
+    for m in models:
+      texts = []
+      for s in settings:
+        r = median_rate(rows, m, s, metric, mode)
+        texts.append("–" if r is None else f"{r[1]:.3f}; {r[2]:.3f} ± {r[3]:.3f} (lr {r[0]:.0e}, {r[4]} seeds)")
+      lines.append(f"| {m} | " + " | ".join(texts) + " |")
   if splits:
     lines += ["", f"Per eval split (`{metric}`, mean ± std over seeds at their best rates):", "",
               "| model | setting | " + " | ".join(splits) + " |", "|---" * (len(splits) + 2) + "|"]
