@@ -297,3 +297,18 @@ def test_early_stop_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_pat
   assert summary["steps"] == 10 and summary["stopped_early"]
   assert max(r["step"] for r in read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))) == 10
   assert done(Cell("m", "s", 0, 1e-3, cfg))
+
+
+def test_state_tracking_small_config_trains_on_mixed_lengths_and_evaluates_per_length(tmp_path):
+  """A few steps of configs/state_tracking.py:small: batches of lengths 3-40 padded to 40, eval splits of
+  other widths, the per-length scaled accuracy in the summary."""
+  from gdn.train.loop import train
+  cfg = resolve(os.path.join(ROOT, "configs", "state_tracking.py") + ":small", [
+      "data.batch_size=4", "data.eval_batch_size=4", "data.state.eval_lengths=(40,64)", "data.state.eval_examples=4",
+      "model.d_model=16", "model.recurrent.head_dim=8", "train.steps=3", "train.warmup_steps=1", "train.eval_every=0",
+      "train.checkpoint_every=0", f"workdir={tmp_path}", "compilation_cache="])
+  train(cfg, log=lambda *a: None)
+  with open(os.path.join(str(tmp_path), "summary.json")) as f:
+    ev = json.load(f)["eval"]
+  assert {"T40/scaled_accuracy", "T64/scaled_accuracy", "scaled_accuracy"} <= set(ev)
+  assert all(-1.0 <= ev[k] <= 1.0 for k in ev if k.endswith("scaled_accuracy"))
