@@ -58,6 +58,7 @@ def get_config(size="full"):
   c.data.state.eval_examples = 512
   base.apply(c, base.width(128, num_heads=4) + base.mixer("deltanet", allow_neg_eigval=True))
   base.schedule(c, 100_000, 10_000, every=5000)
+  c.train.checkpoint_every = 1000  # the GPU grid runs in pieces cut by `timeout`: each resumes from here
   c.train.min_lr_ratio = 1e-3
   c.train.b2 = 0.999
   c.train.progress_bar = False
