@@ -89,6 +89,12 @@ def median_rate(rows, model: str, setting: str, metric: str, mode: str):
   return lr, float(best), med, float(np.median(np.abs(v - med))), len(v)
 
 
+def _by_model_and_setting(models, settings, text) -> list:
+  """A markdown table, one row per model and one column per setting, the cells `text(model, setting)`."""
+  return ["| model | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"] + [
+      f"| {m} | " + " | ".join(text(m, s) for s in settings) + " |" for m in models]
+
+
 def _cell(mean: float, std: float, n: int) -> str:
   return f"{mean:.3f} ± {std:.3f}" if n > 1 else f"{mean:.3f}"
 
@@ -146,30 +152,27 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
            f"Final eval `{metric}`: mean ± std over {len(sweep.seeds)} seed(s) (std over seeds, ddof 0), each "
            f"seed at its best learning rate from {sorted({c.lr for c in cells})}; the rates picked below."
            + ("" if chance is None else f" Chance: {chance:.4g}.")
-           + f" Runs finished: {len(rows)} of {len(cells)}.", "",
-           "| model | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
-  for m in models:
-    cells_text = []
-    for s in settings:
-      if (m, s) in summary:
-        mean, std, n, lrs = summary[(m, s)]
-        cells_text.append(f"{_cell(mean, std, n)} (lr {_rates(lrs)})")
-      else:
-        cells_text.append("–")
-    lines.append(f"| {m} | " + " | ".join(cells_text) + " |")
+           + f" Runs finished: {len(rows)} of {len(cells)}.", ""]
+
+  def best_rates(m, s):
+    if (m, s) not in summary:
+      return "–"
+    mean, std, n, lrs = summary[(m, s)]
+    return f"{_cell(mean, std, n)} (lr {_rates(lrs)})"
+
+  lines += _by_model_and_setting(models, settings, best_rates)
   tc = cells[0].config.train
   if tc.early_stop > 0:
     lines += ["", f"Steps trained until eval `{tc.early_stop_metric}` reached {tc.early_stop} (mean ± std over the "
-              f"seeds that reached it at their best rate, of a budget of {tc.last_step}; solved seeds / seeds):", "",
-              "| model | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
-    for m in models:
-      texts = []
-      for s in settings:
-        rs = [r for r in best if r["model"] == m and r["setting"] == s]
-        solved = [r["steps"] for r in rs if r["stopped_early"]]
-        texts.append("–" if not rs else (_cell(np.mean(solved), np.std(solved), len(solved)).replace(".000", "")
-                                         if solved else "never") + f" ({len(solved)}/{len(rs)})")
-      lines.append(f"| {m} | " + " | ".join(texts) + " |")
+              f"seeds that reached it at their best rate, of a budget of {tc.last_step}; solved seeds / seeds):", ""]
+
+    def steps_to_solve(m, s):
+      rs = [r for r in best if r["model"] == m and r["setting"] == s]
+      solved = [r["steps"] for r in rs if r["stopped_early"]]
+      return "–" if not rs else (_cell(np.mean(solved), np.std(solved), len(solved)).replace(".000", "")
+                                 if solved else "never") + f" ({len(solved)}/{len(rs)})"
+
+    lines += _by_model_and_setting(models, settings, steps_to_solve)
   lrs = sorted({c.lr for c in cells})
   if len(lrs) > 1:  # a winner that flips with the rate shows here
     by_lr = summarize(rows, metric, by=("model", "setting", "lr"))
@@ -183,14 +186,13 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
               _cell(*by_lr[(m, s, lr)][:3]) if (m, s, lr) in by_lr else "–" for lr in lrs) + " |")
   if len(sweep.seeds) > 1:
     lines += ["", f"One rate per cell, the one whose median over seeds is best (Grazzi et al.'s rule): the best "
-              f"seed; the median ± median absolute deviation (`{metric}`):", "",
-              "| model | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
-    for m in models:
-      texts = []
-      for s in settings:
-        r = median_rate(rows, m, s, metric, mode)
-        texts.append("–" if r is None else f"{r[1]:.3f}; {r[2]:.3f} ± {r[3]:.3f} (lr {r[0]:.0e}, {r[4]} seeds)")
-      lines.append(f"| {m} | " + " | ".join(texts) + " |")
+              f"seed; the median ± median absolute deviation (`{metric}`):", ""]
+
+    def median_rate_text(m, s):
+      r = median_rate(rows, m, s, metric, mode)
+      return "–" if r is None else f"{r[1]:.3f}; {r[2]:.3f} ± {r[3]:.3f} (lr {r[0]:.0e}, {r[4]} seeds)"
+
+    lines += _by_model_and_setting(models, settings, median_rate_text)
   if splits:
     lines += ["", f"Per eval split (`{metric}`, mean ± std over seeds at their best rates):", "",
               "| model | setting | " + " | ".join(splits) + " |", "|---" * (len(splits) + 2) + "|"]
