@@ -238,22 +238,22 @@ def main(argv=None) -> list:
   print(f"# {param_count(m):,} parameters; {flop['total'] * n_tok / 1e12:.1f} TFLOP a step "
         f"({flop['matmul'] / flop['total']:.0%} matmul)")
   run, why = fla_available(a.fla)
-  results = []
+  print(f"| implementation {head}")
+  print("|:---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+
+  def row(name, r):  # printed as soon as measured: a command cut by a time limit keeps the rows it finished
+    print(f"| {name} | " + cells(r, flop["total"] * n_tok, n_tok, peak_tflops), flush=True)
+    out.append(dict(name=name, **r))
+
   if run:
     try:
       r = run_fla(cfg, toks, a)
-      note = " (TRITON_ABOVE_3_7_1 forced)" if r["patched"] else ""
-      results.append((f"fla {r['params'] / 1e6:,.1f}M{note}", r))
+      row(f"fla {r['params'] / 1e6:,.1f}M" + (" (TRITON_ABOVE_3_7_1 forced)" if r["patched"] else ""), r)
     except Exception as e:  # e.g. fla's attention layers need flash-attn; gdn's row still runs
       if a.fla == "on":
         raise
       run, why = False, f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
-  results.append((f"gdn {flop['params'] / 1e6:,.1f}M", run_gdn(cfg, toks, a)))
-  print(f"| implementation {head}")
-  print("|:---|---:|---:|---:|---:|---:|---:|---:|")
-  for name, r in results:
-    print(f"| {name} | " + cells(r, flop["total"] * n_tok, n_tok, peak_tflops), flush=True)
-    out.append(dict(name=name, **r))
+  row(f"gdn {flop['params'] / 1e6:,.1f}M", run_gdn(cfg, toks, a))
   if not run:
     print(f"fla: skipped, {why}")
   return out

@@ -40,10 +40,21 @@ def collect(cells) -> list:
     x_key = cell.config.sweep.x_key
     rows.append(dict(model=cell.model, setting=cell.setting, seed=cell.seed, lr=cell.lr,
                      x=_get(to_dict(cell.config), x_key) if x_key else None, run_dir=cell.config.run_dir,
-                     params=summary["params"], steps=summary["steps"],
+                     params=summary["params"], steps=summary["steps"], **_budget(cell),
                      stopped_early=bool(summary.get("stopped_early")),
                      **{f"eval/{k}": v for k, v in summary["eval"].items()}))
   return rows
+
+
+def _budget(cell) -> dict:
+  """The run's schedule length and the step it was to stop at, from the config it ran with (a sweep may be run
+  in pieces with different `train.stop_step` cuts than the config the report is written from)."""
+  train = to_dict(cell.config)["train"]
+  path = os.path.join(cell.config.run_dir, "config.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      train = json.load(f).get("train", train)
+  return dict(schedule_steps=train["steps"], budget=train.get("stop_step") or train["steps"])
 
 
 def best_per_seed(rows, metric: str, mode: str) -> list:
@@ -164,7 +175,8 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
   tc = cells[0].config.train
   if tc.early_stop > 0:
     lines += ["", f"Steps trained until eval `{tc.early_stop_metric}` reached {tc.early_stop} (mean ± std over the "
-              f"seeds that reached it at their best rate, of a budget of {tc.last_step}; solved seeds / seeds):", ""]
+              f"seeds that reached it at their best rate; solved seeds / seeds; the budget row gives the steps each "
+              "setting's runs were allowed, and the schedule's length where a run was cut before its end):", ""]
 
     def steps_to_solve(m, s):
       rs = [r for r in best if r["model"] == m and r["setting"] == s]
@@ -173,6 +185,12 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
                                  if solved else "never") + f" ({len(solved)}/{len(rs)})"
 
     lines += _by_model_and_setting(models, settings, steps_to_solve)
+
+    def budget(s):
+      cuts = sorted({(r["budget"], r["schedule_steps"]) for r in rows if r["setting"] == s})
+      return ", ".join(f"{b}" if b == n else f"{b} of {n}" for b, n in cuts) or "–"
+
+    lines.append("| budget | " + " | ".join(budget(s) for s in settings) + " |")
   lrs = sorted({c.lr for c in cells})
   if len(lrs) > 1:  # a winner that flips with the rate shows here
     by_lr = summarize(rows, metric, by=("model", "setting", "lr"))
