@@ -3,6 +3,8 @@
   gdn-compare --config configs/mqar_zoology.py          # GPU: 2 models x 3 settings x d_model 64-512, 3 seeds x 4 rates
   gdn-compare --config configs/mqar_zoology.py:d128     # one width (arg d<width>): the same grid at d_model 128
   gdn-compare --config configs/mqar_zoology.py:small    # CPU check of the pipeline: length 64, d_model 64, 400 steps
+  gdn-compare --config configs/mqar_zoology.py:ablate   # GPU: attention at (64, 4), d_model 128, with one of
+                                                        # configs/mqar.py's differences from Zoology at a time
 
 Copied from Zoology's figure-2 sweep (zoology/experiments/paper_configs/iclr24_zoology_figure2): one model per
 (length, pairs) setting, (64, 4), (128, 8), (256, 16), trained and evaluated on that setting alone; vocabulary
@@ -37,12 +39,26 @@ def setting(T: int, P: int, batch: int, d_model: int) -> tuple:
           f"train.checkpoint_every={steps}") + base.width(d_model, num_heads=1)
 
 
+# configs/mqar.py's recipe, difference by difference (its attention stayed on the recall plateau; this recipe's
+# does not): each setting changes one thing from the control toward it.
+ABLATIONS = {
+    "zoology": (),
+    "swiglu_mlp": ("model.mlp_ratio=4.0",),
+    "two_heads": base.width(128, num_heads=2),
+    "optimizer": ("train.grad_clip=1.0", "train.weight_decay=0.1", "train.decay_embeddings=false", "train.b2=0.95",
+                  "train.min_lr_ratio=0.1", "train.warmup_steps=500"),
+    "batch_128": ("data.batch_size=128",),
+    "random_tokens": ("data.mqar.random_non_queries=true",),
+    "length_mixture": ("data.mqar.train_settings=((64,4),(128,8),(256,16),(512,64))",),
+}
+
+
 def get_config(size="full"):
   arg = size
   small = arg == "small"
   widths = (int(arg[1:]),) if arg.startswith("d") and arg[1:].isdigit() else WIDTHS
-  if arg not in ("full", "small") and len(widths) == 4:
-    raise ValueError(f"config argument must be 'full', 'small' or d<width> (e.g. d128), got {arg!r}")
+  if arg not in ("full", "small", "ablate") and len(widths) == 4:
+    raise ValueError(f"config argument must be 'full', 'small', 'ablate' or d<width> (e.g. d128), got {arg!r}")
   c = base.get_config()
   c.name = "mqar_zoology" + ("" if arg == "full" else f"_{arg}")
   base.task(c, "mqar", batch_size=512, vocab_size=8192, num_layers=2)
@@ -65,6 +81,11 @@ def get_config(size="full"):
   c.sweep.seeds = (0, 1, 2)
   c.sweep.learning_rates = LRS
   c.sweep.x_key = "model.d_model"
+  if arg == "ablate":  # 3,000 steps: the control leaves the plateau by step 500 at 2.2e-3 (results/mqar_zoology_d128)
+    c.sweep.models = {"attention": base.mixer("attention")}
+    c.sweep.settings = {k: setting(64, 4, 512, 128) + v + ("train.stop_step=3000",) for k, v in ABLATIONS.items()}
+    c.sweep.learning_rates = (4.6e-4, 2.2e-3, 1e-2)
+    c.sweep.x_key = ""
   if small:
     c.data.mqar.eval_examples = 256
     c.sweep.settings = {f"T64_P4_d{d}": setting(64, 4, 64, d) + ("train.steps=400", "train.checkpoint_every=400")

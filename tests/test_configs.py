@@ -11,6 +11,7 @@ from gdn.data import make_task
 from gdn.model import LanguageModel
 from gdn.sweep import expand, shard_cells
 from gdn.train import ConfigError, from_dict
+from gdn.train.config import to_dict
 from gdn.train.config_file import apply_overrides, base_config, load, resolve, split_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,3 +152,26 @@ def test_state_tracking_follows_grazzi_et_al():
     assert (cfg.data.batch_size, cfg.train.steps, cfg.train.warmup_steps) == (1024, 100_000, 10_000)
     assert cfg.sweep.metric == "scaled_accuracy"
   assert {c.lr for c in cells} == {1e-2, 1e-3, 5e-4, 1e-4} and {c.seed for c in cells} == {0, 1, 2}
+
+
+def test_mqar_ablations_each_change_one_thing_from_the_zoology_control():
+  def flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+      out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+  cells = {c.setting: c.config for c in expand(load(os.path.join(ROOT, "configs/mqar_zoology.py:ablate")),
+                                                results="/nonexistent") if c.seed == 0 and c.lr == 2.2e-3}
+  control = flat(to_dict(cells.pop("zoology")))
+  assert control["model.mlp_ratio"] == 0.0 and control["model.attention.num_heads"] == 1
+  for name, cfg in cells.items():
+    changed = {k for k, v in flat(to_dict(cfg)).items() if control.get(k) != v and k not in ("name", "workdir")}
+    want = {"swiglu_mlp": {"model.mlp_ratio"}, "batch_128": {"data.batch_size"},
+            "random_tokens": {"data.mqar.random_non_queries"}, "length_mixture": {"data.mqar.train_settings"}}
+    if name in want:
+      assert changed == want[name], name
+    elif name == "two_heads":
+      assert changed and all("num_heads" in k or "head_dim" in k for k in changed)
+    else:
+      assert name == "optimizer" and changed and all(k.startswith("train.") for k in changed)
