@@ -94,7 +94,8 @@ def run_gdn(cfg, toks, a) -> dict:
   batch = jax.device_put(dict(inputs=toks[:, :-1], targets=toks[:, 1:],
                               weights=np.ones(toks[:, 1:].shape, np.float32)))
   t0 = time.perf_counter()
-  compiled = step.make_train_step(graphdef, tx, optimizer.lr_shape(cfg.train)).lower(state, batch).compile()
+  compiled = step.make_train_step(graphdef, tx, optimizer.lr_shape(cfg.train),
+                                  loss_chunk=cfg.train.loss_chunk).lower(state, batch).compile()
   compile_s = time.perf_counter() - t0
   held = dict(state=state)
 

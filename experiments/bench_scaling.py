@@ -121,7 +121,7 @@ def main(argv=None) -> list:
   cfg = experiment_config(args)
   tx = optimizer.make_optimizer(cfg.train)
   graphdef, abstract = jax.eval_shape(lambda: step.init(cfg.model, tx, cfg.seed))
-  eval_step = step.make_eval_step(graphdef)
+  eval_step = step.make_eval_step(graphdef, loss_chunk=cfg.train.loss_chunk)
   init_state = lambda: step.init(cfg.model, tx, cfg.seed)[1]
   init_on_one = jax.jit(init_state)  # on devices[0]
   devices = jax.devices()
@@ -159,7 +159,8 @@ def main(argv=None) -> list:
     # Made directly in its shards: no device ever holds the whole state unless the mesh says so.
     state = jax.jit(init_state, out_shardings=sharding.tree_shardings(abstract, mesh))()
     batch = sharding.shard_batch(host_batch, mesh)
-    train_step = step.make_train_step(graphdef, tx, optimizer.lr_shape(cfg.train), mesh=mesh)
+    train_step = step.make_train_step(graphdef, tx, optimizer.lr_shape(cfg.train), mesh=mesh,
+                                      loss_chunk=cfg.train.loss_chunk)
     compiled = train_step.lower(state, batch).compile()
     est = compiled_bytes(compiled)
     est = None if est is None else est / 2**20

@@ -113,6 +113,12 @@ class LanguageModel(nnx.Module):
     sequence is split, when called inside a `shard_map` over it: tokens and segment_ids are then this device's
     slice [B, T / D] (device d holding positions [d T / D, (d + 1) T / D)), and so are the logits.
     return_aux_loss: return (logits, the MoE layers' load-balancing loss), 0 without MoE layers."""
+    out = self.features(tokens, segment_ids=segment_ids, context_axis=context_axis, return_aux_loss=return_aux_loss)
+    return (self.head(out[0]), out[1]) if return_aux_loss else self.head(out)
+
+  def features(self, tokens, *, segment_ids=None, context_axis=None, return_aux_loss: bool = False):
+    """tokens [B, T] -> the final-normed hidden states [B, T, D] that `head` turns into logits, so that a loss
+    can apply the head to a few tokens at a time (gdn.train.step, train.loss_chunk); arguments as __call__."""
     self._check_tokens(tokens)
     if segment_ids is not None:
       if segment_ids.shape != tokens.shape:
@@ -120,8 +126,13 @@ class LanguageModel(nnx.Module):
       if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise TypeError(f"segment_ids must be an integer array, got dtype {segment_ids.dtype}")
     stats = [] if return_aux_loss else None
-    logits, _ = self._run(tokens, segment_ids, None, context_axis, stats)
-    return (logits, load_balancing_loss(stats, self.cfg.moe.num_experts)) if return_aux_loss else logits
+    x, _ = self._run(tokens, segment_ids, None, context_axis, stats, head=False)
+    return (x, load_balancing_loss(stats, self.cfg.moe.num_experts)) if return_aux_loss else x
+
+  def head(self, x):
+    """Final-normed hidden states [..., D] -> float32 logits [..., Vocab] (the tied embedding or lm_head)."""
+    logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+    return logits.astype(jnp.float32)
 
   def __getattr__(self, name):
     # Only reached when normal lookup fails: say why a scanned model has no `blocks`.
@@ -166,7 +177,7 @@ class LanguageModel(nnx.Module):
     self._check_cache(cache)
     return self._run(tokens, None, cache)
 
-  def _run(self, tokens, segment_ids, cache, context_axis=None, router_stats=None):
+  def _run(self, tokens, segment_ids, cache, context_axis=None, router_stats=None, head: bool = True):
     """router_stats: None, or a list to which MoE layers append their routing statistics (MoE layers are
     unrolled without remat, which ModelConfig checks, so the statistics never leave a scan or a checkpoint)."""
     x = self.embed(tokens)
@@ -186,8 +197,7 @@ class LanguageModel(nnx.Module):
           nnx.update(block, rest)
       new_cache.append(c)
     x = self.final_norm(x)
-    logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-    return logits.astype(jnp.float32), (None if cache is None else tuple(new_cache))
+    return self.head(x) if head else x, (None if cache is None else tuple(new_cache))
 
   def _scan(self, x, segment_ids, cache, context_axis):
     """The scanned group over its G slices of parameters, other state (each layer's dropout RNG stream) and

@@ -284,6 +284,48 @@ def test_train_step_matches_a_plain_loop_on_mqar():
   assert ours[-1] < ours[0]
 
 
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_chunked_loss_equals_the_whole_logits_loss(scan_layers):
+  """train.loss_chunk applies the head a few positions at a time (with padding where T is not a multiple):
+  the same statistics, loss, gradients and step as the whole [B, T, Vocab] logits, tied head or not."""
+  from flax import nnx
+
+  from gdn.config import AttentionConfig, ModelConfig, RecurrentConfig
+  from gdn.model import LanguageModel
+
+  cfg = ModelConfig(vocab_size=61, d_model=32, num_layers=2, pattern="RA", scan_layers=scan_layers,
+                    tie_embeddings=not scan_layers, recurrent=RecurrentConfig(num_heads=2, head_dim=16),
+                    attention=AttentionConfig(num_heads=2, head_dim=16))
+  r = np.random.default_rng(0)
+  B, T = 3, 13
+  batch = dict(inputs=r.integers(0, 61, (B, T)).astype(np.int32), targets=r.integers(0, 61, (B, T)).astype(np.int32),
+               weights=(r.random((B, T)) > 0.3).astype(np.float32))
+  batch["weights"][1] = 0.0  # a row without supervised positions
+  graph, params, rest = nnx.split(LanguageModel(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+
+  def loss(p, chunk):
+    stats = step.model_stats(nnx.merge(graph, p, rest), batch, chunk)
+    return stats["nll"] / stats["weight"], stats
+
+  (ref, ref_stats), ref_g = jax.value_and_grad(loss, has_aux=True)(params, 0)
+  for chunk in (1, 5, 13, 20):
+    (got, stats), g = jax.value_and_grad(loss, has_aux=True)(params, chunk)
+    np.testing.assert_allclose(float(got), float(ref), rtol=1e-6)
+    for k in ref_stats:
+      np.testing.assert_allclose(float(stats[k]), float(ref_stats[k]), rtol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+  tc = resolve(CONFIG, ("train.steps=10", "train.warmup_steps=1")).train
+  tx = optimizer.make_optimizer(tc)
+  graphdef, state = step.init(cfg, tx, 0)
+  _, m0 = step.make_train_step(graphdef, tx, optimizer.lr_shape(tc))(state, batch)
+  graphdef, state = step.init(cfg, tx, 0)
+  _, m1 = step.make_train_step(graphdef, tx, optimizer.lr_shape(tc), loss_chunk=4)(state, batch)
+  for k in ("loss", "accuracy", "grad_norm"):
+    np.testing.assert_allclose(float(m1[k]), float(m0[k]), rtol=1e-5, err_msg=k)
+
+
 def test_early_stop_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_path):
   from gdn.sweep.grid import Cell, done
   from gdn.train.loop import train

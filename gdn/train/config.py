@@ -38,6 +38,9 @@ class TrainConfig:
   b2: float = 0.95
   eps: float = 1e-8
   grad_clip: float = 1.0  # global norm; 0 = off
+  # Positions of every row per application of the output head in the loss, recomputed in the backward (0 = all
+  # at once): the [B, T, vocab] float32 logits and their gradient are then never held whole (gdn/train/step.py).
+  loss_chunk: int = 0
   log_every: int = 10
   eval_every: int = 500  # 0 = only at the end
   checkpoint_every: int = 500  # 0 = only at the end
@@ -57,7 +60,7 @@ class TrainConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    for name in ("stop_step", "warmup_steps", "eval_every", "checkpoint_every"):
+    for name in ("stop_step", "warmup_steps", "eval_every", "checkpoint_every", "loss_chunk"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
     if self.mesh_fsdp < 1 or (self.mesh_data != -1 and self.mesh_data < 1):

@@ -120,8 +120,8 @@ def _train(cfg: ExperimentConfig, log) -> dict:
   data = iterator(task.train, data_state, num_threads=cfg.data.num_threads)
   # Context parallelism in the train step only: eval runs the plain forward on the same mesh (its batches
   # may have fewer rows than the devices that split the batch, and it needs no gradients).
-  train_step = step.make_train_step(graphdef, tx, lr, mesh=mesh)
-  eval_step = step.make_eval_step(graphdef, mesh)
+  train_step = step.make_train_step(graphdef, tx, lr, mesh=mesh, loss_chunk=cfg.train.loss_chunk)
+  eval_step = step.make_eval_step(graphdef, mesh, loss_chunk=cfg.train.loss_chunk)
   sets = evaluate.EvalSets(task, cfg.data.eval_batch, cfg.seed)
 
   def run_eval(s):

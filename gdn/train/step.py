@@ -35,10 +35,37 @@ def init(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int):
 
 def _token_stats(logits_BxTxV, batch):
   """Per-example sums over weighted positions: nll, correct tokens, weight; and whole-example correctness."""
+  return _stats(*_nll_and_hit(logits_BxTxV, batch["targets"]), batch["weights"])
+
+
+def _nll_and_hit(logits, targets):
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  return nll, (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+
+
+def _chunked_token_stats(model: LanguageModel, x_BxTxD, batch, chunk: int):
+  """`_token_stats(model.head(x), batch)` with the head applied to `chunk` positions of every row at a time and
+  recomputed in the backward, so that the [B, T, Vocab] float32 logits (and their gradient) are never held
+  whole: at vocabulary 32,000 they are 4 GiB for 8 x 4096 tokens, the largest tensors of a small model's step.
+  The map runs over time, not over rows, so rows split over data-parallel devices stay split."""
   targets, w = batch["targets"], batch["weights"]
-  logp = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
-  nll_BxT = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-  hit_BxT = (jnp.argmax(logits_BxTxV, axis=-1) == targets).astype(jnp.float32)
+  B, T, D = x_BxTxD.shape
+  pad = -T % chunk
+  N = (T + pad) // chunk
+  x_NxBxCxD = jnp.pad(x_BxTxD, ((0, 0), (0, pad), (0, 0))).reshape(B, N, chunk, D).swapaxes(0, 1)
+  t_NxBxC = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, N, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one(xt):
+    return _nll_and_hit(model.head(xt[0]), xt[1])
+
+  nll, hit = jax.lax.map(one, (x_NxBxCxD, t_NxBxC))
+  back = lambda a: a.swapaxes(0, 1).reshape(B, N * chunk)[:, :T]
+  return _stats(back(nll), back(hit), w)
+
+
+def _stats(nll_BxT, hit_BxT, w):
   w_B = w.sum(-1)
   has = (w_B > 0).astype(jnp.float32)
   # The last supervised position of a running state-tracking task is the state of the whole sequence.
@@ -47,6 +74,16 @@ def _token_stats(logits_BxTxV, batch):
   return dict(nll=(nll_BxT * w).sum(), correct=(hit_BxT * w).sum(), weight=w_B.sum(),
               seq_correct=(has * ((hit_BxT * w).sum(-1) == w_B)).sum(), last_correct=(has * last_hit).sum(),
               seqs=has.sum())
+
+
+def model_stats(model: LanguageModel, batch, loss_chunk: int = 0, return_aux_loss: bool = False):
+  """The token statistics of `model` on `batch` (and the MoE load-balancing loss): the logits whole
+  (loss_chunk 0) or `loss_chunk` positions of every row at a time."""
+  out = model.features(batch["inputs"], return_aux_loss=return_aux_loss)
+  x = out[0] if return_aux_loss else out
+  stats = _token_stats(model.head(x), batch) if loss_chunk <= 0 else _chunked_token_stats(model, x, batch,
+                                                                                         loss_chunk)
+  return (stats, out[1]) if return_aux_loss else stats
 
 
 def _context_parallel_logits(model: LanguageModel, tokens, mesh):
@@ -66,9 +103,11 @@ def _on_mesh(mesh):
   return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=None):
+def make_train_step(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=None, loss_chunk: int = 0):
   """The jitted step; the incoming state's buffers are donated (updated in place). tx: `make_optimizer`'s;
-  lr_shape: `optimizer.lr_shape(cfg)`, for the logged rate (its peak is read from the optimizer state).
+  lr_shape: `optimizer.lr_shape(cfg)`, for the logged rate (its peak is read from the optimizer state);
+  loss_chunk: train.loss_chunk (positions of every row per application of the output head in the loss; 0 =
+  all at once).
 
   mesh: None, or the `sharding.make_mesh` mesh the state and batches are sharded over: the model is traced
   under it, and the gradients are constrained to the parameters' FSDP sharding so that the sum over devices of
@@ -76,6 +115,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=N
   forward runs under context parallelism.
   """
   context_parallel = mesh is not None and sharding.seq_size(mesh) > 1
+  if context_parallel and loss_chunk > 0:
+    raise ConfigError("config.train.loss_chunk > 0 is not supported with config.train.mesh_seq > 1: set "
+                      "loss_chunk to 0")
 
   def loss_fn(params, rest, batch):
     model = nnx.merge(graphdef, params, rest)
@@ -85,11 +127,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=N
       if moe_coef:
         raise ConfigError("config.model.moe.aux_loss_coef > 0 is not supported with config.train.mesh_seq > 1 "
                           "(each device would balance only its own slice): set it to 0 or mesh_seq to 1")
-      logits = _context_parallel_logits(model, batch["inputs"], mesh)
+      stats = _token_stats(_context_parallel_logits(model, batch["inputs"], mesh), batch)
     else:
       with _on_mesh(mesh):
-        logits, aux = model(batch["inputs"], return_aux_loss=True)
-    stats = _token_stats(logits, batch)
+        stats, aux = model_stats(model, batch, loss_chunk, return_aux_loss=True)
     # The MoE layers' load-balancing loss (gdn.layers.moe), weighted by moe.aux_loss_coef; 0 without MoE layers.
     loss = stats["nll"] / jnp.maximum(stats["weight"], 1.0) + moe_coef * aux
     _, _, rest = nnx.split(model, nnx.Param, ...)
@@ -115,16 +156,16 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=N
   return jax.jit(train_step, donate_argnums=0)
 
 
-def make_eval_step(graphdef, mesh=None):
-  """Sums of the eval statistics over one batch (summed again over batches on the host). mesh: as for
-  `make_train_step`; eval never uses context parallelism."""
+def make_eval_step(graphdef, mesh=None, loss_chunk: int = 0):
+  """Sums of the eval statistics over one batch (summed again over batches on the host). mesh, loss_chunk: as
+  for `make_train_step`; eval never uses context parallelism."""
 
   @jax.jit
   def eval_step(params, rest, batch):
     model = nnx.merge(graphdef, params, rest)
     model.eval()  # dropout off
     with _on_mesh(mesh):
-      return _token_stats(model(batch["inputs"]), batch)
+      return model_stats(model, batch, loss_chunk)
 
   return eval_step
 
