@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from gdn.config import AttentionConfig
+from gdn.layers.fused import fuse_projections, project
 from gdn.layers.norms import RMSNorm
 from gdn.layers.rope import frequencies, rope
 from gdn.layers.segments import check_mixer_call, segment_index
@@ -81,6 +82,11 @@ class Attention(nnx.Module):
     self.o_proj = lin(N * E, d_model, out_init)
     self.q_norm = RMSNorm(E, eps=norm_eps) if cfg.qk_norm else None
     self.k_norm = RMSNorm(E, eps=norm_eps) if cfg.qk_norm else None
+    self.in_proj = None  # q, k, v as one FusedLinear, after `fuse` (inference)
+
+  def fuse(self):
+    """In place, for inference: the q, k and v projections become one matmul."""
+    fuse_projections(self, ("q_proj", "k_proj", "v_proj"))
 
   def init_cache(self, batch: int, max_len: int) -> KVCache:
     if max_len < 1:
@@ -114,13 +120,14 @@ class Attention(nnx.Module):
     B, T, _ = x.shape
     N, G, E = cfg.num_heads, cfg.KVH, cfg.head_dim
 
-    q = self.q_proj(x)
+    p = project(self, ("q_proj", "k_proj", "v_proj"), x)
+    q = p["q_proj"]
     gate = None
     if cfg.output_gate == "sigmoid":
       q, gate = jnp.split(q.reshape(B, T, N, 2 * E), 2, axis=-1)
     q = q.reshape(B, T, N, E)
-    k = self.k_proj(x).reshape(B, T, G, E)
-    v = self.v_proj(x).reshape(B, T, G, E)
+    k = p["k_proj"].reshape(B, T, G, E)
+    v = p["v_proj"].reshape(B, T, G, E)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     if context_axis is not None:
