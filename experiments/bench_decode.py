@@ -74,29 +74,36 @@ def model_config(a, pattern: str) -> ModelConfig:
 
 
 def _positions(c: KVCache, context: int) -> KVCache:
-  """Slot positions after `context` tokens: slot s holds the last position p < context with p % L == s."""
-  L = c.kpos.shape[0]
+  """Slot positions after `context` tokens: slot s holds the last position p < context with p % L == s. A
+  scanned group's cache carries a leading layer axis, which every layer shares."""
+  L = c.kpos.shape[-1]
   s = jnp.arange(L, dtype=jnp.int32)
   p = s + L * ((context - 1 - s) // L)
-  return c._replace(kpos=jnp.where(s < context, p, -1), pos=jnp.asarray(context, jnp.int32))
+  return c._replace(kpos=jnp.broadcast_to(jnp.where(s < context, p, -1), c.kpos.shape),
+                    pos=jnp.full(c.pos.shape, context, jnp.int32))
+
+
+def _kv_caches(fn, cache: tuple) -> tuple:
+  """fn applied to every KVCache of a model's cache (a scanned group's too), the recurrent caches unchanged."""
+  is_kv = lambda c: isinstance(c, KVCache)
+  return jax.tree.map(lambda c: fn(c) if is_kv(c) else c, cache, is_leaf=is_kv)
 
 
 def rewind(cache: tuple, context: int) -> tuple:
-  return tuple(_positions(c, context) if isinstance(c, KVCache) else c for c in cache)
+  return _kv_caches(lambda c: _positions(c, context), cache)
 
 
 def fill(cache: tuple, key, context: int) -> tuple:
   """Random K and V in every attention slot, positions as after `context` tokens; recurrent caches unchanged."""
-  out = []
-  for c in cache:
-    if isinstance(c, KVCache):
-      B, L, G, E = c.k.shape
-      n = min(L, BLOCK)
-      key, kk, kv = jax.random.split(key, 3)
-      tile = lambda r: jnp.tile(jax.random.normal(r, (B, n, G, E), c.k.dtype), (1, -(-L // n), 1, 1))[:, :L]
-      c = _positions(c._replace(k=tile(kk), v=tile(kv)), context)
-    out.append(c)
-  return tuple(out)
+  keys = iter(jax.random.split(key, 2 * len(jax.tree.leaves(cache))))
+
+  def one(c):
+    *lead, G, L, E = c.k.shape  # [..., B, G, L, E]
+    n = min(L, BLOCK)
+    tile = lambda r: jnp.tile(jax.random.normal(r, (*lead, G, n, E), c.k.dtype), (-(-L // n), 1))[..., :L, :]
+    return _positions(c._replace(k=tile(next(keys)), v=tile(next(keys))), context)
+
+  return _kv_caches(one, cache)
 
 
 def nbytes(tree) -> int:
