@@ -2,10 +2,11 @@
 attention with a KV cache ("A") and the 3:1 hybrid ("RRRA"), all of the same width and depth.
 
 Prints markdown tables: per pattern, decode path, batch and context the median ms per step (one token for each
-of the batch's rows), tokens/s (batch x 1000 / ms), the floor of a step and ms / floor; then per path and batch
-ms/token with the ratios A/R and RRRA/R per context; then memory per model and context (`gdn.memory.cache_bytes`
-of the cache, the live cache's nbytes, XLA's temporaries of the compiled decode loop and, where the backend
-reports it, the device's bytes in use and peak).
+of the batch's rows), tokens/s (batch x 1000 / ms), the floor of a step, ms / floor and the operations one step
+of the compiled loop runs (`gdn.bench.timing.ops_per_iteration`: about its kernel launches); then per path and
+batch ms/token with the ratios A/R and RRRA/R per context; then memory per model and context
+(`gdn.memory.cache_bytes` of the cache, the live cache's nbytes, XLA's temporaries of the compiled decode loop
+and, where the backend reports it, the device's bytes in use and peak).
 
 Decode paths (`--paths`): "plain" calls `decode_step` on the model as built (float32 parameters, cast to the
 compute dtype inside the step, one matmul per projection); "lean" calls it on `gdn.model.for_decoding(model)`
@@ -47,7 +48,7 @@ from flax import nnx
 
 from experiments.cli import apply_preset
 from gdn.bench.roofline import H200_HBM_TBPS, decode_floor_ms
-from gdn.bench.timing import device_memory_stats
+from gdn.bench.timing import device_memory_stats, ops_per_iteration
 from gdn.config import AttentionConfig, ModelConfig, RecurrentConfig
 from gdn.layers import KVCache
 from gdn.memory import GiB, MiB, cache_bytes
@@ -150,6 +151,7 @@ def bench(model, context: int, batch: int, a, programs: dict) -> dict:
   compiled = programs[key]
   m = compiled.memory_analysis()
   row["temp"] = m.temp_size_in_bytes if m is not None else None
+  row["ops"] = ops_per_iteration(compiled)
   rewind_ = jax.jit(rewind, static_argnums=1, donate_argnums=0)
   tok, cache = jax.block_until_ready(compiled(state, cache, tok))  # warm-up
   times = []
@@ -233,18 +235,18 @@ def main(argv=None):
         f"vocab {a.vocab}, {a.dtype}; {a.steps} decode steps per run, median of {a.reps}; floor at "
         f"{a.bandwidth_gbs:.0f} GB/s; weights " + ", ".join(f"{q} {fmt_bytes(w)}" for q, w in weights.items()))
   print()
-  print("| pattern | path | batch | context | ms/token | tokens/s | floor ms | ms / floor |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("| pattern | path | batch | context | ms/token | tokens/s | floor ms | ms / floor | ops/step |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for q in patterns:
     for path in paths:
       for batch in batches:
         for n in a.contexts:
           r = results[q, path, batch, n]
           if "ms" not in r:
-            print(f"| {q} | {path} | {batch} | {n} | {r['error']} | | | |")
+            print(f"| {q} | {path} | {batch} | {n} | {r['error']} | | | | |")
             continue
           print(f"| {q} | {path} | {batch} | {n} | {r['ms']:.3f} | {batch * 1e3 / r['ms']:.0f} | "
-                f"{r['floor']:.3f} | {r['ms'] / r['floor']:.2f}x |")
+                f"{r['floor']:.3f} | {r['ms'] / r['floor']:.2f}x | {r['ops']} |")
   if len(patterns) > 1:
     for path in paths:
       for batch in batches:
