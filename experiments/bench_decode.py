@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import statistics
 import time
 
@@ -235,18 +236,21 @@ def main(argv=None):
         f"vocab {a.vocab}, {a.dtype}; {a.steps} decode steps per run, median of {a.reps}; floor at "
         f"{a.bandwidth_gbs:.0f} GB/s; weights " + ", ".join(f"{q} {fmt_bytes(w)}" for q, w in weights.items()))
   print()
+
+  def rows(order):
+    """(batch, row head "| pattern | path | batch | context", result) of every timed row; a failed row printed."""
+    for key in itertools.product(order, paths, batches, a.contexts):
+      head, r = "| " + " | ".join(map(str, key)), results[key]
+      if "ms" in r:
+        yield key[2], head, r
+      else:  # both tables have five columns after the head
+        print(f"{head} | {r['error']} | | | | |")
+
   print("| pattern | path | batch | context | ms/token | tokens/s | floor ms | ms / floor | ops/step |")
   print("|---|---|---|---|---|---|---|---|---|")
-  for q in patterns:
-    for path in paths:
-      for batch in batches:
-        for n in a.contexts:
-          r = results[q, path, batch, n]
-          if "ms" not in r:
-            print(f"| {q} | {path} | {batch} | {n} | {r['error']} | | | | |")
-            continue
-          print(f"| {q} | {path} | {batch} | {n} | {r['ms']:.3f} | {batch * 1e3 / r['ms']:.0f} | "
-                f"{r['floor']:.3f} | {r['ms'] / r['floor']:.2f}x | {r['ops']} |")
+  for batch, head, r in rows(patterns):
+    print(f"{head} | {r['ms']:.3f} | {batch * 1e3 / r['ms']:.0f} | {r['floor']:.3f} | {r['ms'] / r['floor']:.2f}x | "
+          f"{r['ops']} |")
   if len(patterns) > 1:
     for path in paths:
       for batch in batches:
@@ -266,20 +270,13 @@ def main(argv=None):
         "device peak |")
   print("|---|---|---|---|---|---|---|---|---|")
   last_peak = 0
-  for q in sorted(patterns, key=lambda q: q.count("A") / len(q)):
-    for path in paths:
-      for batch in batches:
-        for n in a.contexts:
-          r = results[q, path, batch, n]
-          if "ms" not in r:
-            print(f"| {q} | {path} | {batch} | {n} | {r['error']} | | | | |")
-            continue
-          peak = fmt_bytes(r["peak"])
-          if r["peak"] is not None:
-            peak = ("<= " if r["peak"] <= last_peak else "") + peak
-            last_peak = max(last_peak, r["peak"])
-          print(f"| {q} | {path} | {batch} | {n} | {fmt_bytes(r['formula'])} | {fmt_bytes(r['live'])} | "
-                f"{fmt_bytes(r['temp'])} | {fmt_bytes(r['in_use'])} | {peak} |")
+  for _, head, r in rows(sorted(patterns, key=lambda q: q.count("A") / len(q))):
+    peak = fmt_bytes(r["peak"])
+    if r["peak"] is not None:
+      peak = ("<= " if r["peak"] <= last_peak else "") + peak
+      last_peak = max(last_peak, r["peak"])
+    print(f"{head} | {fmt_bytes(r['formula'])} | {fmt_bytes(r['live'])} | {fmt_bytes(r['temp'])} | "
+          f"{fmt_bytes(r['in_use'])} | {peak} |")
 
 
 if __name__ == "__main__":
