@@ -10,8 +10,9 @@ and, where the backend reports it, the device's bytes in use and peak).
 
 Decode paths (`--paths`): "plain" calls `decode_step` on the model as built (float32 parameters, cast to the
 compute dtype inside the step, one matmul per projection); "lean" calls it on `gdn.model.for_decoding(model)`
-(weights stored in the compute dtype, the projections of one input fused into one matmul). Both give the same
-logits. `--scan-layers` builds the models with `scan_layers` (one layer body in a `lax.scan`).
+(weights stored in the compute dtype, the projections of one input fused into one matmul); "lean_unrolled" on
+`for_decoding(model, unroll=True)`, the same unrolled where the model is scanned. All give the same logits.
+`--scan-layers` builds the models with `scan_layers` (one layer body in a `lax.scan`).
 
 The floor (`gdn.bench.roofline.decode_floor_ms`): every weight read once per step (the lean model's parameter
 bytes) plus the states and caches moved, at `--bandwidth-gbs`: recurrent states and conv windows read and
@@ -64,7 +65,7 @@ PRESETS = {
                  contexts=[1024, 4096, 16384, 65536, 131072, 262144, 524288], steps=32, reps=5),
 }
 PATTERNS = ("R", "A", "RRRA")
-PATHS = ("plain", "lean")
+PATHS = ("plain", "lean", "lean_unrolled")
 BLOCK = 1024  # the K/V fill tiles a random block of this many slots
 
 
@@ -211,6 +212,8 @@ def main(argv=None):
     # The floor reads each weight once in the compute dtype: the lean model's bytes, whichever path is timed.
     a.weight_bytes = weights[pattern] = nbytes(nnx.state(lean, nnx.Param))
     models = dict(plain=base, lean=lean)
+    if "lean_unrolled" in paths:
+      models["lean_unrolled"] = for_decoding(base, unroll=True) if cfg.scan_layers else lean
     for path in paths:
       programs = {}
       for batch in batches:

@@ -328,7 +328,7 @@ _COMPUTE_DTYPE_PARAMS = ((nnx.Linear, ("kernel", "bias")), (FusedLinear, ("kerne
                          (Experts, ("gate_proj", "up_proj", "down_proj")))
 
 
-def for_decoding(model: LanguageModel) -> LanguageModel:
+def for_decoding(model: LanguageModel, *, unroll: bool = False) -> LanguageModel:
   """The same model, made lean for inference (`prefill`, `decode_step`, `gdn.generate`): the projections that
   read the same input fused into one matmul per module (a recurrent layer's q, k, v, decay, beta and gate; an
   attention layer's q, k, v; an MLP's gate and up), and every weight that is only read in the compute dtype
@@ -342,10 +342,14 @@ def for_decoding(model: LanguageModel) -> LanguageModel:
   to float32 rounding (each fused column is the same dot product). The result is for inference only: its
   parameters no longer have the layout of checkpoints, `stack_layers` or the interop loaders, and training it
   would train the rounded weights.
+
+  unroll: return a scanned model unrolled (`unstack_layers` first). A scanned step slices each layer's weights
+  out of the stacks, and a backend may copy every slice before its matmul (XLA's CPU program does), reading the
+  weights up to three times; the unrolled step reads them where they lie, for a longer compile.
   """
   if not isinstance(model, LanguageModel):
     raise TypeError(f"model must be a gdn.model.LanguageModel, got {type(model).__name__}")
-  model = nnx.clone(model)
+  model = unstack_layers(model) if unroll and model.cfg.scan_layers else nnx.clone(model)
   for _, m in list(nnx.iter_graph(model)):  # listed first: fusing changes the graph
     if isinstance(m, (RecurrentMixer, Attention, SwiGLU)):
       m.fuse()

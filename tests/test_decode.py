@@ -64,6 +64,17 @@ def test_prefill_in_pieces_then_decode_equals_full_forward(kind):
   assert float(jnp.abs(got - full).max() / jnp.abs(full).max()) <= 1e-4
 
 
+def _prefill_then_decode(model, tokens):
+  """Logits [B, T, Vocab] of a 19-token prefill and then one decode step per remaining token."""
+  cache = model.init_cache(tokens.shape[0], tokens.shape[1])
+  logits, cache = _prefill(model, tokens[:, :19], cache)
+  got = [logits]
+  for t in range(19, tokens.shape[1]):
+    logits, cache = _decode(model, tokens[:, t:t + 1], cache)
+    got.append(logits)
+  return jnp.concatenate(got, 1)
+
+
 LEAN = {
     "RRRA": ("RRRA", RecurrentConfig(**SMALL), False),
     "RRRA_scanned": ("RRRA", RecurrentConfig(**SMALL), True),
@@ -78,8 +89,8 @@ LEAN = {
 @pytest.mark.parametrize("kind", sorted(LEAN))
 def test_for_decoding_equals_the_model(kind, dtype):
   """`for_decoding` (fused projections, weights in the compute dtype) gives the model's logits through a prefill
-  and decode steps, unrolled and scanned (6 layers: RRRA's one group and two remainder layers; R's six groups),
-  and leaves the model as it was."""
+  and decode steps, unrolled and scanned (6 layers: RRRA's one group and two remainder layers; R's six groups;
+  scanned models also unrolled by unroll=True), and leaves the model as it was."""
   from gdn.model import for_decoding
 
   pattern, rcfg, scan = LEAN[kind]
@@ -90,18 +101,13 @@ def test_for_decoding_equals_the_model(kind, dtype):
   before = params(model)
   lean = for_decoding(model)
   tokens = _tokens()
-  outs = []
-  for m in (model, lean):
-    cache = m.init_cache(2, 23)
-    logits, cache = _prefill(m, tokens[:, :19], cache)
-    got = [logits]
-    for t in range(19, 23):
-      logits, cache = _decode(m, tokens[:, t:t + 1], cache)
-      got.append(logits)
-    outs.append(jnp.concatenate(got, 1))
-  ref, got = outs
+  ref = _prefill_then_decode(model, tokens)
   tol = 1e-5 if dtype == "float32" else 1e-2
-  assert float(jnp.abs(got - ref).max() / jnp.abs(ref).max()) <= tol
+  assert float(jnp.abs(_prefill_then_decode(lean, tokens) - ref).max() / jnp.abs(ref).max()) <= tol
+  if scan:  # unrolled for decoding: the same logits from the unstacked layers
+    unrolled = for_decoding(model, unroll=True)
+    assert not unrolled.cfg.scan_layers
+    assert float(jnp.abs(_prefill_then_decode(unrolled, tokens) - ref).max() / jnp.abs(ref).max()) <= tol
   # The model is untouched; the lean copy holds its matmul weights in the compute dtype, its norms in float32.
   assert all(jax.tree.leaves(jax.tree.map(lambda a, b: a.dtype == b.dtype and np.array_equal(a, b), params(model),
                                          before)))
