@@ -1,9 +1,22 @@
 """Decode benchmark: time per generated token and cache memory vs context length, for Gated DeltaNet ("R"),
 attention with a KV cache ("A") and the 3:1 hybrid ("RRRA"), all of the same width and depth.
 
-Prints two markdown tables: median ms/token with the ratios A/R and RRRA/R per context, then memory per model
-and context (`gdn.memory.cache_bytes` of the cache, the live cache's nbytes, XLA's temporaries of the compiled
-decode loop and, where the backend reports it, the device's bytes in use and peak).
+Prints markdown tables: per pattern, decode path, batch and context the median ms per step (one token for each
+of the batch's rows), tokens/s (batch x 1000 / ms), the floor of a step, ms / floor and the operations one step
+of the compiled loop runs (`gdn.bench.timing.ops_per_iteration`: about its kernel launches); then per path and
+batch ms/token with the ratios A/R and RRRA/R per context; then memory per model and context
+(`gdn.memory.cache_bytes` of the cache, the live cache's nbytes, XLA's temporaries of the compiled decode loop
+and, where the backend reports it, the device's bytes in use and peak).
+
+Decode paths (`--paths`): "plain" calls `decode_step` on the model as built (float32 parameters, cast to the
+compute dtype inside the step, one matmul per projection); "lean" calls it on `gdn.model.for_decoding(model)`
+(weights stored in the compute dtype, the projections of one input fused into one matmul); "lean_unrolled" on
+`for_decoding(model, unroll=True)`, the same unrolled where the model is scanned. All give the same logits.
+`--scan-layers` builds the models with `scan_layers` (one layer body in a `lax.scan`).
+
+The floor (`gdn.bench.roofline.decode_floor_ms`): every weight read once per step (the lean model's parameter
+bytes) plus the states and caches moved, at `--bandwidth-gbs`: recurrent states and conv windows read and
+written, attention K/V read for the context's positions and written for the new one.
 
 Method. For each model and context n: `cache = model.init_cache(B, n + steps)`, then the cache is filled to n
 tokens directly, with no prefill: every attention cache's K and V get random values (a random block tiled over
@@ -18,6 +31,8 @@ follows the cache's capacity.
 
   python -m experiments.bench_decode --preset cpu
   python -m experiments.bench_decode --preset h200
+  python -m experiments.bench_decode --preset h200 --patterns R --paths plain,lean --batches 1,8,64 \
+      --contexts 1024,65536
   python -m experiments.bench_decode --preset h200 --layers 24 --contexts 1024,131072
 """
 
@@ -25,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import statistics
 import time
 
@@ -33,11 +49,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from experiments.cli import apply_preset
-from gdn.bench.timing import device_memory_stats
+from gdn.bench.roofline import H200_HBM_TBPS, decode_floor_ms
+from gdn.bench.timing import device_memory_stats, ops_per_iteration
 from gdn.config import AttentionConfig, ModelConfig, RecurrentConfig
 from gdn.layers import KVCache
 from gdn.memory import GiB, MiB, cache_bytes
-from gdn.model import LanguageModel
+from gdn.model import LanguageModel, for_decoding
 
 PRESETS = {
     "cpu": dict(d_model=256, layers=4, heads=4, head_dim=64, vocab=256, dtype="float32",
@@ -48,46 +65,70 @@ PRESETS = {
                  contexts=[1024, 4096, 16384, 65536, 131072, 262144, 524288], steps=32, reps=5),
 }
 PATTERNS = ("R", "A", "RRRA")
+PATHS = ("plain", "lean", "lean_unrolled")
 BLOCK = 1024  # the K/V fill tiles a random block of this many slots
 
 
 def model_config(a, pattern: str) -> ModelConfig:
   return ModelConfig(vocab_size=a.vocab, d_model=a.d_model, num_layers=a.layers, pattern=pattern, dtype=a.dtype,
                      recurrent=RecurrentConfig(num_heads=a.heads, head_dim=a.head_dim),
-                     attention=AttentionConfig(num_heads=a.heads, head_dim=a.head_dim))
+                     attention=AttentionConfig(num_heads=a.heads, head_dim=a.head_dim),
+                     scan_layers=getattr(a, "scan_layers", False))
 
 
 def _positions(c: KVCache, context: int) -> KVCache:
-  """Slot positions after `context` tokens: slot s holds the last position p < context with p % L == s."""
-  L = c.kpos.shape[0]
+  """Slot positions after `context` tokens: slot s holds the last position p < context with p % L == s. A
+  scanned group's cache carries a leading layer axis, which every layer shares."""
+  L = c.kpos.shape[-1]
   s = jnp.arange(L, dtype=jnp.int32)
   p = s + L * ((context - 1 - s) // L)
-  return c._replace(kpos=jnp.where(s < context, p, -1), pos=jnp.asarray(context, jnp.int32))
+  return c._replace(kpos=jnp.broadcast_to(jnp.where(s < context, p, -1), c.kpos.shape),
+                    pos=jnp.full(c.pos.shape, context, jnp.int32))
+
+
+def _kv_caches(fn, cache: tuple) -> tuple:
+  """fn applied to every KVCache of a model's cache (a scanned group's too), the recurrent caches unchanged."""
+  is_kv = lambda c: isinstance(c, KVCache)
+  return jax.tree.map(lambda c: fn(c) if is_kv(c) else c, cache, is_leaf=is_kv)
 
 
 def rewind(cache: tuple, context: int) -> tuple:
-  return tuple(_positions(c, context) if isinstance(c, KVCache) else c for c in cache)
+  return _kv_caches(lambda c: _positions(c, context), cache)
 
 
 def fill(cache: tuple, key, context: int) -> tuple:
   """Random K and V in every attention slot, positions as after `context` tokens; recurrent caches unchanged."""
-  out = []
-  for c in cache:
-    if isinstance(c, KVCache):
-      B, L, G, E = c.k.shape
-      n = min(L, BLOCK)
-      key, kk, kv = jax.random.split(key, 3)
-      tile = lambda r: jnp.tile(jax.random.normal(r, (B, n, G, E), c.k.dtype), (1, -(-L // n), 1, 1))[:, :L]
-      c = _positions(c._replace(k=tile(kk), v=tile(kv)), context)
-    out.append(c)
-  return tuple(out)
+  keys = iter(jax.random.split(key, 2 * len(jax.tree.leaves(cache))))
+
+  def one(c):
+    *lead, G, L, E = c.k.shape  # [..., B, G, L, E]
+    n = min(L, BLOCK)
+    tile = lambda r: jnp.tile(jax.random.normal(r, (*lead, G, n, E), c.k.dtype), (-(-L // n), 1))[..., :L, :]
+    return _positions(c._replace(k=tile(next(keys)), v=tile(next(keys))), context)
+
+  return _kv_caches(one, cache)
 
 
 def nbytes(tree) -> int:
   return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
-def bench(model, context: int, a) -> dict:
+def state_bytes(cache: tuple, context: int) -> int:
+  """Bytes a decode step at `context` must move through the caches: recurrent states and conv windows read and
+  written; attention K/V read for the context's positions and the new one, and written for the new one."""
+  total = 0
+  for c in jax.tree.leaves(cache, is_leaf=lambda x: hasattr(x, "_fields")):  # one RecurrentCache or KVCache each
+    if isinstance(c, KVCache):
+      L = c.kpos.shape[-1]
+      total += (c.k.nbytes + c.v.nbytes) * (min(context + 1, L) + 1) // L
+    else:
+      total += 2 * nbytes(c)
+  return total
+
+
+def bench(model, context: int, batch: int, a, programs: dict) -> dict:
+  """One row: the decode loop compiled for this cache's shapes (or taken from `programs`, where an earlier row
+  had the same shapes: a recurrent model's cache does not depend on the context) and timed."""
   graphdef, state = nnx.split(model)
   steps = a.steps
 
@@ -101,13 +142,18 @@ def bench(model, context: int, a) -> dict:
 
     return jax.lax.fori_loop(0, steps, body, (tok, cache))
 
-  cache = model.init_cache(a.batch, context + steps)
-  row = dict(formula=cache_bytes(model.cfg, a.batch, context + steps).total, live=nbytes(cache))
+  cache = model.init_cache(batch, context + steps)
+  row = dict(formula=cache_bytes(model.cfg, batch, context + steps).total, live=nbytes(cache),
+             state_bytes=state_bytes(cache, context))
   cache = jax.jit(fill, static_argnums=2, donate_argnums=0)(cache, jax.random.key(1), context)
-  tok = jnp.zeros((a.batch,), jnp.int32)
-  compiled = jax.jit(decode, donate_argnums=1).lower(state, cache, tok).compile()
+  tok = jnp.zeros((batch,), jnp.int32)
+  key = (jax.tree.structure(cache), tuple((x.shape, x.dtype) for x in jax.tree.leaves(cache)))
+  if key not in programs:
+    programs[key] = jax.jit(decode, donate_argnums=1).lower(state, cache, tok).compile()
+  compiled = programs[key]
   m = compiled.memory_analysis()
   row["temp"] = m.temp_size_in_bytes if m is not None else None
+  row["ops"] = ops_per_iteration(compiled)
   rewind_ = jax.jit(rewind, static_argnums=1, donate_argnums=0)
   tok, cache = jax.block_until_ready(compiled(state, cache, tok))  # warm-up
   times = []
@@ -117,6 +163,7 @@ def bench(model, context: int, a) -> dict:
     tok, cache = jax.block_until_ready(compiled(state, cache, tok))
     times.append(time.perf_counter() - t0)
   row["ms"] = 1e3 * statistics.median(times) / steps
+  row["floor"] = decode_floor_ms(a.weight_bytes, row["state_bytes"], a.bandwidth_gbs / 1e3)
   stats = device_memory_stats()
   row["in_use"], row["peak"] = stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
   del cache
@@ -139,63 +186,100 @@ def main(argv=None):
   p.add_argument("--contexts", help="comma-separated context lengths (override the preset)")
   p.add_argument("--patterns", default=",".join(PATTERNS), help="comma-separated layer patterns; the first is the "
                  "denominator of the ratios")
-  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--batches", default="1", help="comma-separated batch sizes")
+  p.add_argument("--paths", default="lean", help=f"comma-separated decode paths, of {', '.join(PATHS)}")
+  p.add_argument("--scan-layers", action="store_true", help="stacked layers applied by one lax.scan")
+  p.add_argument("--bandwidth-gbs", type=float, default=1e3 * H200_HBM_TBPS,
+                 help="memory bandwidth of the floor, GB/s (default: the H200's)")
   p.add_argument("--mem-fraction", type=float, default=0.8,
                  help="skip a context when the cache would exceed this fraction of the device's memory limit")
   a = p.parse_args(argv)
   apply_preset(a, PRESETS[a.preset], "contexts")
   patterns = [s.strip() for s in a.patterns.split(",") if s.strip()]
+  batches = [int(s) for s in a.batches.split(",") if s.strip()]
+  paths = [s.strip() for s in a.paths.split(",") if s.strip()]
+  if set(paths) - set(PATHS):
+    p.error(f"--paths must be of {PATHS}, got {a.paths!r}")
 
   limit = device_memory_stats().get("bytes_limit")
-  results = {}
+  results, weights = {}, {}
   # Patterns in order of growing cache, contexts ascending: each row's device peak then is its own, unless it
   # stays below an earlier row's (marked "<=").
   for pattern in sorted(patterns, key=lambda q: q.count("A") / len(q)):
     cfg = model_config(a, pattern)
-    model = LanguageModel(cfg, rngs=nnx.Rngs(0))
-    for n in a.contexts:
-      need = cache_bytes(cfg, a.batch, n + a.steps).total
-      if limit is not None and need > a.mem_fraction * limit:
-        results[pattern, n] = dict(error=f"skipped: cache {fmt_bytes(need)}")
-        continue
-      try:
-        results[pattern, n] = bench(model, n, a)
-      except Exception as e:  # report and go on: an out-of-memory context must not hide the others
-        results[pattern, n] = dict(error=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
-      gc.collect()
-    del model
+    base = LanguageModel(cfg, rngs=nnx.Rngs(0))
+    lean = for_decoding(base)
+    # The floor reads each weight once in the compute dtype: the lean model's bytes, whichever path is timed.
+    a.weight_bytes = weights[pattern] = nbytes(nnx.state(lean, nnx.Param))
+    models = dict(plain=base, lean=lean)
+    if "lean_unrolled" in paths:
+      models["lean_unrolled"] = for_decoding(base, unroll=True) if cfg.scan_layers else lean
+    for path in paths:
+      programs = {}
+      for batch in batches:
+        for n in a.contexts:
+          need = cache_bytes(cfg, batch, n + a.steps).total
+          if limit is not None and need > a.mem_fraction * limit:
+            results[pattern, path, batch, n] = dict(error=f"skipped: cache {fmt_bytes(need)}")
+            continue
+          try:
+            results[pattern, path, batch, n] = bench(models[path], n, batch, a, programs)
+          except Exception as e:  # report and go on: an out-of-memory context must not hide the others
+            results[pattern, path, batch, n] = dict(
+                error=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+          gc.collect()
+      del programs
+    del base, lean, models
     gc.collect()
 
   dev = jax.devices()[0]
   base = patterns[0]
   print(f"# decode, {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}: d_model {a.d_model}, "
-        f"{a.layers} layers, {a.heads} heads x {a.head_dim}, vocab {a.vocab}, {a.dtype}, batch {a.batch}; "
-        f"{a.steps} decode steps per run, median of {a.reps}")
+        f"{a.layers} layers{' (scan_layers)' if a.scan_layers else ''}, {a.heads} heads x {a.head_dim}, "
+        f"vocab {a.vocab}, {a.dtype}; {a.steps} decode steps per run, median of {a.reps}; floor at "
+        f"{a.bandwidth_gbs:.0f} GB/s; weights " + ", ".join(f"{q} {fmt_bytes(w)}" for q, w in weights.items()))
   print()
-  ratio_heads = [f"{q}/{base}" for q in patterns[1:]]
-  print("| context | " + " | ".join(f"{q} ms/token" for q in patterns) + " | " + " | ".join(ratio_heads) + " |")
-  print("|---" * (len(patterns) + len(ratio_heads) + 1) + "|")
-  for n in a.contexts:
-    rs = [results[q, n] for q in patterns]
-    ms = [f"{r['ms']:.3f}" if "ms" in r else r["error"] for r in rs]
-    ratios = [f"{r['ms'] / rs[0]['ms']:.2f}x" if "ms" in r and "ms" in rs[0] else "-" for r in rs[1:]]
-    print(f"| {n} | " + " | ".join(ms) + " | " + " | ".join(ratios) + " |")
+
+  def rows(order):
+    """(batch, row head "| pattern | path | batch | context", result) of every timed row; a failed row printed."""
+    for key in itertools.product(order, paths, batches, a.contexts):
+      head, r = "| " + " | ".join(map(str, key)), results[key]
+      if "ms" in r:
+        yield key[2], head, r
+      else:  # both tables have five columns after the head
+        print(f"{head} | {r['error']} | | | | |")
+
+  print("| pattern | path | batch | context | ms/token | tokens/s | floor ms | ms / floor | ops/step |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  for batch, head, r in rows(patterns):
+    print(f"{head} | {r['ms']:.3f} | {batch * 1e3 / r['ms']:.0f} | {r['floor']:.3f} | {r['ms'] / r['floor']:.2f}x | "
+          f"{r['ops']} |")
+  if len(patterns) > 1:
+    for path in paths:
+      for batch in batches:
+        print()
+        print(f"{path}, batch {batch}:")
+        print()
+        ratio_heads = [f"{q}/{base}" for q in patterns[1:]]
+        print("| context | " + " | ".join(f"{q} ms/token" for q in patterns) + " | " + " | ".join(ratio_heads) + " |")
+        print("|---" * (len(patterns) + len(ratio_heads) + 1) + "|")
+        for n in a.contexts:
+          rs = [results[q, path, batch, n] for q in patterns]
+          ms = [f"{r['ms']:.3f}" if "ms" in r else r["error"] for r in rs]
+          ratios = [f"{r['ms'] / rs[0]['ms']:.2f}x" if "ms" in r and "ms" in rs[0] else "-" for r in rs[1:]]
+          print(f"| {n} | " + " | ".join(ms) + " | " + " | ".join(ratios) + " |")
   print()
-  print("| model | context | cache (gdn.memory) | live cache nbytes | XLA temp | device in use | device peak |")
-  print("|---|---|---|---|---|---|---|")
+  print("| model | path | batch | context | cache (gdn.memory) | live cache nbytes | XLA temp | device in use | "
+        "device peak |")
+  print("|---|---|---|---|---|---|---|---|---|")
   last_peak = 0
-  for q in sorted(patterns, key=lambda q: q.count("A") / len(q)):
-    for n in a.contexts:
-      r = results[q, n]
-      if "ms" not in r:
-        print(f"| {q} | {n} | {r['error']} | | | | |")
-        continue
-      peak = fmt_bytes(r["peak"])
-      if r["peak"] is not None:
-        peak = ("<= " if r["peak"] <= last_peak else "") + peak
-        last_peak = max(last_peak, r["peak"])
-      print(f"| {q} | {n} | {fmt_bytes(r['formula'])} | {fmt_bytes(r['live'])} | {fmt_bytes(r['temp'])} | "
-            f"{fmt_bytes(r['in_use'])} | {peak} |")
+  for _, head, r in rows(sorted(patterns, key=lambda q: q.count("A") / len(q))):
+    peak = fmt_bytes(r["peak"])
+    if r["peak"] is not None:
+      peak = ("<= " if r["peak"] <= last_peak else "") + peak
+      last_peak = max(last_peak, r["peak"])
+    print(f"{head} | {fmt_bytes(r['formula'])} | {fmt_bytes(r['live'])} | {fmt_bytes(r['temp'])} | "
+          f"{fmt_bytes(r['in_use'])} | {peak} |")
 
 
 if __name__ == "__main__":

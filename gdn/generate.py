@@ -60,6 +60,7 @@ def generate(model, prompt, max_new_tokens: int, *, rng, temperature: float = 1.
 
   Compiles once per (model structure, B, P, max_new_tokens); the sampling settings are traced values.
   Dropout is off while decoding whatever the model's mode. rng may be None for greedy decoding.
+  `gdn.model.for_decoding(model)` decodes with leaner steps (its logits equal the model's to float32 rounding).
   """
   prompt = jnp.asarray(prompt)
   if prompt.ndim != 2 or prompt.shape[1] < 1 or not jnp.issubdtype(prompt.dtype, jnp.integer):

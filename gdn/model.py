@@ -6,7 +6,8 @@ G scanned groups (num_layers // len(pattern)), P len(pattern).
 Two layouts of the same blocks. Unrolled (default): `blocks`, one Block per layer, applied in a Python loop.
 Scanned (`cfg.scan_layers`): `scanned_blocks`, the P blocks of one pattern group whose parameters carry a leading
 axis G (layer g * P + j is `scanned_blocks[j]` at index g), applied by one `lax.scan`, then `remainder_blocks`,
-the num_layers - G P layers left over, unrolled. `stack_layers` / `unstack_layers` convert a model between them.
+the num_layers - G P layers left over, unrolled. `stack_layers` / `unstack_layers` convert a model between them;
+`for_decoding` gives either a lean copy for inference (fused projections, weights in the compute dtype).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from flax import nnx
 
 from gdn.config import ModelConfig
 from gdn.layers.attention import Attention
+from gdn.layers.conv import ShortConv
+from gdn.layers.fused import FusedLinear
 from gdn.layers.mlp import SwiGLU, hidden_size
-from gdn.layers.moe import MoE, load_balancing_loss
+from gdn.layers.moe import Experts, MoE, load_balancing_loss
 from gdn.layers.norms import RMSNorm
 from gdn.layers.recurrent import RecurrentMixer
 
@@ -326,3 +329,46 @@ def unstack_layers(model: LanguageModel) -> LanguageModel:
     return tree
 
   return _build(model, cfg, convert(params), convert(rest))
+
+
+# The parameters that a module only ever reads cast to its compute dtype (`module.dtype`): casting them once
+# gives the same values. Norm weights, A_log and dt_bias are left alone: they are read in float32.
+_COMPUTE_DTYPE_PARAMS = ((nnx.Linear, ("kernel", "bias")), (FusedLinear, ("kernel", "bias")),
+                         (nnx.Embed, ("embedding",)), (ShortConv, ("weight", "bias")),
+                         (Experts, ("gate_proj", "up_proj", "down_proj")))
+
+
+def for_decoding(model: LanguageModel, *, unroll: bool = False) -> LanguageModel:
+  """The same model, made lean for inference (`prefill`, `decode_step`, `gdn.generate`): the projections that
+  read the same input fused into one matmul per module (a recurrent layer's q, k, v, decay, beta and gate; an
+  attention layer's q, k, v; an MLP's gate and up), and every weight that is only read in the compute dtype
+  stored in it. Both layouts, unrolled and scanned (`scan_layers`: one layer body, the stacked weights fused
+  along their last axis). `model` is left unchanged.
+
+  Why: parameters are float32 and `cfg.dtype` is the compute dtype, so each step of a bfloat16 model casts every
+  weight again (reading 4 bytes and writing 2 per weight before the matmul reads 2) unless XLA hoists the casts
+  out of the decode loop (its CPU backend does, and then holds both copies); and at batch 1 a decode step is a
+  chain of small kernels, where each of a layer's matmuls is a launch of its own. The logits equal the model's
+  to float32 rounding (each fused column is the same dot product). The result is for inference only: its
+  parameters no longer have the layout of checkpoints, `stack_layers` or the interop loaders, and training it
+  would train the rounded weights.
+
+  unroll: return a scanned model unrolled (`unstack_layers` first). A scanned step slices each layer's weights
+  out of the stacks, and a backend may copy every slice before its matmul (XLA's CPU program does), reading the
+  weights up to three times; the unrolled step reads them where they lie, for a longer compile.
+  """
+  if not isinstance(model, LanguageModel):
+    raise TypeError(f"model must be a gdn.model.LanguageModel, got {type(model).__name__}")
+  model = unstack_layers(model) if unroll and model.cfg.scan_layers else nnx.clone(model)
+  for _, m in list(nnx.iter_graph(model)):  # listed first: fusing changes the graph
+    if isinstance(m, (RecurrentMixer, Attention, SwiGLU)):
+      m.fuse()
+  for _, m in nnx.iter_graph(model):
+    for kind, names in _COMPUTE_DTYPE_PARAMS:
+      dtype = getattr(m, "dtype", None)
+      if isinstance(m, kind) and dtype is not None:
+        for name in names:
+          p = getattr(m, name)
+          if p is not None and p[...].dtype != dtype:
+            p.set_value(p[...].astype(dtype))
+  return model

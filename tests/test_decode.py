@@ -5,6 +5,7 @@ Shapes: B batch, T time, Vocab vocabulary size.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -61,3 +62,68 @@ def test_prefill_in_pieces_then_decode_equals_full_forward(kind):
     got.append(logits)
   got = jnp.concatenate(got, 1)
   assert float(jnp.abs(got - full).max() / jnp.abs(full).max()) <= 1e-4
+
+
+def _prefill_then_decode(model, tokens):
+  """Logits [B, T, Vocab] of a 19-token prefill and then one decode step per remaining token."""
+  cache = model.init_cache(tokens.shape[0], tokens.shape[1])
+  logits, cache = _prefill(model, tokens[:, :19], cache)
+  got = [logits]
+  for t in range(19, tokens.shape[1]):
+    logits, cache = _decode(model, tokens[:, t:t + 1], cache)
+    got.append(logits)
+  return jnp.concatenate(got, 1)
+
+
+LEAN = {
+    "RRRA": ("RRRA", RecurrentConfig(**SMALL), False),
+    "RRRA_scanned": ("RRRA", RecurrentConfig(**SMALL), True),
+    # Per-channel decay and the low-rank gate (f_a / g_a fused, f_b / g_b after), grouped value heads.
+    "kda_scanned": ("R", recurrent_preset("kda", num_v_heads=4, v_head_dim=12, decay_low_rank=4, **SMALL), True),
+    # Biases on q, k, v and o, per-value-channel beta, no short conv.
+    "seed": ("RW", recurrent_preset("seed", **SMALL), False),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", sorted(LEAN))
+def test_for_decoding_equals_the_model(kind, dtype):
+  """`for_decoding` (fused projections, weights in the compute dtype) gives the model's logits through a prefill
+  and decode steps, unrolled and scanned (6 layers: RRRA's one group and two remainder layers; R's six groups;
+  scanned models also unrolled by unroll=True), and leaves the model as it was."""
+  from gdn.model import for_decoding
+
+  pattern, rcfg, scan = LEAN[kind]
+  cfg = ModelConfig(vocab_size=VOCAB, d_model=32, num_layers=6, pattern=pattern, recurrent=rcfg,
+                    attention=ATTENTION, dtype=dtype, scan_layers=scan)
+  model = LanguageModel(cfg, rngs=nnx.Rngs(2))
+  params = lambda m: nnx.to_pure_dict(nnx.state(m, nnx.Param))
+  before = params(model)
+  lean = for_decoding(model)
+  tokens = _tokens()
+  ref = _prefill_then_decode(model, tokens)
+  tol = 1e-5 if dtype == "float32" else 1e-2
+  assert float(jnp.abs(_prefill_then_decode(lean, tokens) - ref).max() / jnp.abs(ref).max()) <= tol
+  if scan:  # unrolled for decoding: the same logits from the unstacked layers
+    unrolled = for_decoding(model, unroll=True)
+    assert not unrolled.cfg.scan_layers
+    assert float(jnp.abs(_prefill_then_decode(unrolled, tokens) - ref).max() / jnp.abs(ref).max()) <= tol
+  # The model is untouched; the lean copy holds its matmul weights in the compute dtype, its norms in float32.
+  assert all(jax.tree.leaves(jax.tree.map(lambda a, b: a.dtype == b.dtype and np.array_equal(a, b), params(model),
+                                         before)))
+  flat = {jax.tree_util.keystr(path): x
+          for path, x in jax.tree_util.tree_leaves_with_path(params(lean))}
+  for name, x in flat.items():
+    compute = name.endswith(("['kernel']", "['bias']", "['embedding']")) or "['conv']" in name
+    assert x.dtype == (jnp.dtype(dtype) if compute else jnp.float32), name
+  assert any("in_proj" in n for n in flat) and not any("q_proj" in n or "gate_proj" in n for n in flat)
+
+
+def test_for_decoding_generates_the_same_tokens():
+  from gdn.generate import generate
+  from gdn.model import for_decoding
+
+  model = _model("RRRA", seed=3)
+  prompt = _tokens(T=7)
+  want = generate(model, prompt, 6, rng=None, temperature=0.0)
+  np.testing.assert_array_equal(generate(for_decoding(model), prompt, 6, rng=None, temperature=0.0), want)

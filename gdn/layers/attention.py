@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from gdn.config import AttentionConfig
+from gdn.layers.fused import fuse_projections, project
 from gdn.layers.norms import RMSNorm
 from gdn.layers.rope import frequencies, rope
 from gdn.layers.segments import check_mixer_call, segment_index
@@ -23,9 +24,11 @@ from gdn.layers.segments import check_mixer_call, segment_index
 
 class KVCache(NamedTuple):
   """A ring buffer of keys and values: slot p % L holds position p. Global layers get L = max_len (no wrap
-  within capacity), sliding-window layers L = min(window, max_len)."""
-  k: jax.Array  # [B, L, G, E] (rotated keys)
-  v: jax.Array  # [B, L, G, E]
+  within capacity), sliding-window layers L = min(window, max_len). Head-major, so that a decode step's two
+  products read each head's L x E block where it lies: in [B, L, G, E] XLA copied K and V to that layout at
+  every step (reading and writing the whole cache before the products read it)."""
+  k: jax.Array  # [B, G, L, E] (rotated keys)
+  v: jax.Array  # [B, G, L, E]
   kpos: jax.Array  # [L] int32 position held by each slot, -1 when empty
   pos: jax.Array  # [] int32 number of tokens seen
 
@@ -81,12 +84,17 @@ class Attention(nnx.Module):
     self.o_proj = lin(N * E, d_model, out_init)
     self.q_norm = RMSNorm(E, eps=norm_eps) if cfg.qk_norm else None
     self.k_norm = RMSNorm(E, eps=norm_eps) if cfg.qk_norm else None
+    self.in_proj = None  # q, k, v as one FusedLinear, after `fuse` (inference)
+
+  def fuse(self):
+    """In place, for inference: the q, k and v projections become one matmul."""
+    fuse_projections(self, ("q_proj", "k_proj", "v_proj"))
 
   def init_cache(self, batch: int, max_len: int) -> KVCache:
     if max_len < 1:
       raise ValueError(f"max_len must be a positive int, got {max_len!r}")
     L = min(self.window, max_len) if self.window else max_len
-    shape = (batch, L, self.cfg.KVH, self.cfg.head_dim)
+    shape = (batch, self.cfg.KVH, L, self.cfg.head_dim)
     return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), jnp.full((L,), -1, jnp.int32),
                    jnp.zeros((), jnp.int32))
 
@@ -114,13 +122,14 @@ class Attention(nnx.Module):
     B, T, _ = x.shape
     N, G, E = cfg.num_heads, cfg.KVH, cfg.head_dim
 
-    q = self.q_proj(x)
+    p = project(self, ("q_proj", "k_proj", "v_proj"), x)
+    q = p["q_proj"]
     gate = None
     if cfg.output_gate == "sigmoid":
       q, gate = jnp.split(q.reshape(B, T, N, 2 * E), 2, axis=-1)
     q = q.reshape(B, T, N, E)
-    k = self.k_proj(x).reshape(B, T, G, E)
-    v = self.v_proj(x).reshape(B, T, G, E)
+    k = p["k_proj"].reshape(B, T, G, E)
+    v = p["v_proj"].reshape(B, T, G, E)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     if context_axis is not None:
@@ -184,20 +193,21 @@ class Attention(nnx.Module):
       raise ValueError(f"cache batch {cache.k.shape[0]} does not match x's batch {B}")
     n = min(T, L)
     slots = positions[T - n:] % L
-    new = KVCache(cache.k.at[:, slots].set(k[:, T - n:].astype(cache.k.dtype)),
-                  cache.v.at[:, slots].set(v[:, T - n:].astype(cache.v.dtype)),
+    heads = lambda a: jnp.swapaxes(a, 1, 2).astype(cache.k.dtype)  # [B, T, G, E] -> [B, G, T, E]
+    new = KVCache(cache.k.at[:, :, slots].set(heads(k[:, T - n:])), cache.v.at[:, :, slots].set(heads(v[:, T - n:])),
                   cache.kpos.at[slots].set(positions[T - n:]), cache.pos + T)
     if T == 1:
       # Decoding: write first and attend over the cache in place (no copy of every layer's K/V per token).
       # The slot overwritten held position p - L, outside the window (L = window) or never filled (L = max_len).
       kk, vv, kpos = new.k, new.v, new.kpos
     else:
-      kk = jnp.concatenate([cache.k, k.astype(cache.k.dtype)], axis=1)
-      vv = jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1)
+      kk = jnp.concatenate([cache.k, heads(k)], axis=2)
+      vv = jnp.concatenate([cache.v, heads(v)], axis=2)
       kpos = jnp.concatenate([cache.kpos, positions])  # [S]
     ok = (kpos[None, :] >= 0) & (kpos[None, :] <= positions[:, None])
     if self.window:
       ok = ok & (positions[:, None] - kpos[None, :] < self.window)
     # XLA: the ring's positions need a dense mask, which cuDNN's fused kernel does not take.
-    o = jax.nn.dot_product_attention(q.astype(kk.dtype), kk, vv, mask=ok[None, None])
+    o = jax.nn.dot_product_attention(q.astype(kk.dtype), jnp.swapaxes(kk, 1, 2), jnp.swapaxes(vv, 1, 2),
+                                     mask=ok[None, None])
     return o.astype(q.dtype), new

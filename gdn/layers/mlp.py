@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gdn.layers.fused import fuse_projections, project
+
 
 def hidden_size(d_model: int, mlp_ratio: float) -> int:
   """int(mlp_ratio * 2/3 * d_model) rounded up to a multiple of 8, so the parameter count matches a GELU MLP."""
@@ -22,6 +24,12 @@ class SwiGLU(nnx.Module):
     self.gate_proj = nnx.Linear(d_model, hidden, use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
     self.up_proj = nnx.Linear(d_model, hidden, use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
     self.down_proj = nnx.Linear(hidden, d_model, use_bias=False, kernel_init=out_init, dtype=dtype, rngs=rngs)
+    self.in_proj = None  # gate and up as one FusedLinear, after `fuse` (inference)
+
+  def fuse(self):
+    """In place, for inference: the gate and up projections become one matmul."""
+    fuse_projections(self, ("gate_proj", "up_proj"))
 
   def __call__(self, x):
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    p = project(self, ("gate_proj", "up_proj"), x)
+    return self.down_proj(jax.nn.silu(p["gate_proj"]) * p["up_proj"])

@@ -16,9 +16,14 @@ from flax import nnx
 from gdn import ops
 from gdn.config import RecurrentConfig
 from gdn.layers.conv import ShortConv
+from gdn.layers.fused import fuse_projections, project
 from gdn.layers.norms import ACTIVATIONS, GatedRMSNorm, RMSNorm
 from gdn.layers.segments import check_mixer_call
 from gdn.ops.context_parallel import local_gated_delta_rule
+
+
+# The projections of the layer's input x, which `fuse` turns into one matmul.
+X_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "a_proj", "f_a_proj", "b_proj", "g_proj", "g_a_proj")
 
 
 class RecurrentCache(NamedTuple):
@@ -112,6 +117,11 @@ class RecurrentMixer(nnx.Module):
     out_init = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
     self.o_proj = linear(HV * V, d_model, cfg.out_bias, out_init)
     self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
+    self.in_proj = None  # the X_PROJECTIONS as one FusedLinear, after `fuse` (inference)
+
+  def fuse(self):
+    """In place, for inference: the projections of x become one matmul (`gdn.layers.fused.fuse_projections`)."""
+    fuse_projections(self, X_PROJECTIONS)
 
   def init_cache(self, batch: int, max_len: int = 0) -> RecurrentCache:
     """An empty cache; max_len is unused (the state does not grow) and kept for a uniform layer interface."""
@@ -135,7 +145,8 @@ class RecurrentMixer(nnx.Module):
     B, T, _ = x.shape
     H, HV, K, V = cfg.num_heads, cfg.HV, cfg.head_dim, cfg.V
 
-    q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    p = project(self, X_PROJECTIONS, x)
+    q, k, v = p["q_proj"], p["k_proj"], p["v_proj"]
     conv_state = None
     if self.conv is not None:
       qkv, conv_state = self.conv(jnp.concatenate([q, k, v], axis=-1), segment_ids=segment_ids,
@@ -149,10 +160,10 @@ class RecurrentMixer(nnx.Module):
     # Divided here, as the seed does, so the op runs with scale 1 and the seed preset is reproduced exactly.
     q = q / math.sqrt(K)
 
-    g = self._decay(x, B, T)
+    g = self._decay(p, B, T)
     beta = None
-    if self.b_proj is not None:
-      beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+    if cfg.beta != "none":
+      beta = jax.nn.sigmoid(p["b_proj"].astype(jnp.float32))
       if cfg.allow_neg_eigval:
         beta = 2.0 * beta
       beta = beta.reshape((B, T, HV) if cfg.beta == "head" else (B, T, HV, V))
@@ -171,7 +182,7 @@ class RecurrentMixer(nnx.Module):
       o, S = ops.gated_delta_rule(q, k, v, g, beta, scale=1.0, initial_state=S0, segment_ids=segment_ids,
                                   method=cfg.method, chunk_size=cfg.chunk_size)
 
-    gate = self._output_gate(x)
+    gate = self._output_gate(p)
     gate = None if gate is None else gate.reshape(B, T, HV, V)
     if isinstance(self.o_norm, GatedRMSNorm):
       o = self.o_norm(o, gate)
@@ -186,21 +197,23 @@ class RecurrentMixer(nnx.Module):
     y = self.o_proj(o)
     return y, (None if cache is None else RecurrentCache(conv_state, S))
 
-  def _output_gate(self, x):
-    """The output gate's pre-activation [B, T, HV*V], full rank or through output_gate_rank; None without a gate."""
-    if self.g_proj is not None:
-      return self.g_proj(x)
-    if self.g_a_proj is not None:
-      return self.g_b_proj(self.g_a_proj(x))
+  def _output_gate(self, p):
+    """The output gate's pre-activation [B, T, HV*V] from the projections p of x, full rank or through
+    output_gate_rank; None without a gate."""
+    if "g_proj" in p:
+      return p["g_proj"]
+    if "g_a_proj" in p:
+      return self.g_b_proj(p["g_a_proj"])
     return None
 
-  def _decay(self, x, B, T):
-    """g = -exp(A_log) * softplus(a + dt_bias) in float32: [B, T, HV], [B, T, HV, K] or None."""
+  def _decay(self, p, B, T):
+    """g = -exp(A_log) * softplus(a + dt_bias) in float32 from the projections p of x: [B, T, HV],
+    [B, T, HV, K] or None."""
     cfg = self.cfg
     if cfg.decay == "none":
       return None
     A = jnp.exp(self.A_log[...])
     if cfg.decay == "head":
-      return -A * jax.nn.softplus(self.a_proj(x).astype(jnp.float32) + self.dt_bias[...])
-    a = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32) + self.dt_bias[...]
+      return -A * jax.nn.softplus(p["a_proj"].astype(jnp.float32) + self.dt_bias[...])
+    a = self.f_b_proj(p["f_a_proj"]).astype(jnp.float32) + self.dt_bias[...]
     return -A[:, None] * jax.nn.softplus(a.reshape(B, T, cfg.HV, cfg.head_dim))

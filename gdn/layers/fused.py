@@ -1,0 +1,70 @@
+"""Several projections of one input as one matmul, for inference.
+
+Shapes: D input features, N_i the i-th projection's outputs, N their sum; kernels may carry leading axes (the
+layer axis G of a scanned model), which the matmul never sees (the scan slices them off first).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+class FusedLinear(nnx.Module):
+  """y = x [W_1 | W_2 | ...] (+ [b_1 | b_2 | ...]), returned split as {name: y_i}, each piece what the named
+  `nnx.Linear` gives: its columns are the same dot products, in the same dtype, and a missing bias is a zero.
+
+  Why: at batch 1 a decode step is a chain of small kernels; the q, k, v, decay, beta and gate projections of a
+  recurrent layer read the same x, so one matmul reads the same weights with one launch instead of six.
+  """
+
+  def __init__(self, linears: dict):
+    ls = list(linears.values())
+    for name in ("dtype", "precision", "dot_general", "preferred_element_type"):
+      if len({id(getattr(l, name)) if name == "dot_general" else getattr(l, name) for l in ls}) != 1:
+        raise ValueError(f"the projections to fuse must share {name}")
+    l0 = ls[0]
+    self.names = tuple(linears)
+    self.sizes = tuple(l.kernel.shape[-1] for l in ls)
+    self.dtype, self.precision, self.preferred_element_type = l0.dtype, l0.precision, l0.preferred_element_type
+    self.dot_general = l0.dot_general
+    self.kernel = nnx.Param(jnp.concatenate([l.kernel[...] for l in ls], axis=-1))
+    if all(l.bias is None for l in ls):
+      self.bias = None
+    else:
+      zero = lambda l: jnp.zeros(l.kernel.shape[:-2] + l.kernel.shape[-1:], l.kernel.dtype)
+      self.bias = nnx.Param(jnp.concatenate([zero(l) if l.bias is None else l.bias[...] for l in ls], axis=-1))
+
+  def __call__(self, x) -> dict:
+    # nnx.Linear's computation, once for all the columns.
+    kernel = self.kernel[...]
+    bias = None if self.bias is None else self.bias[...]
+    x, kernel, bias = nnx.nn.dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
+    kw = {} if self.preferred_element_type is None else dict(preferred_element_type=self.preferred_element_type)
+    y = self.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision, **kw)
+    if bias is not None:
+      y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+    return dict(zip(self.names, jnp.split(y, np.cumsum(self.sizes)[:-1].tolist(), axis=-1)))
+
+
+def project(module: nnx.Module, names: tuple, x) -> dict:
+  """{name: projection of x} for the named `nnx.Linear` attributes of `module` that are not None: through its
+  `in_proj` (a FusedLinear) once `fuse_projections` has run, else one Linear at a time."""
+  if module.in_proj is not None:
+    return module.in_proj(x)
+  return {n: getattr(module, n)(x) for n in names if getattr(module, n) is not None}
+
+
+def fuse_projections(module: nnx.Module, names: tuple):
+  """Replace the named Linear attributes of `module` (those not None) by one FusedLinear `module.in_proj`, in
+  place. The separate ones are dropped, so that the weights are held once: the module then computes the same
+  outputs, but its parameters no longer have the layout of checkpoints, `stack_layers` or the interop loaders."""
+  if module.in_proj is not None:
+    return
+  linears = {n: getattr(module, n) for n in names if getattr(module, n) is not None}
+  if len(linears) < 2:
+    return
+  module.in_proj = nnx.data(FusedLinear(linears))
+  for n in linears:
+    setattr(module, n, None)

@@ -1,0 +1,38 @@
+"""experiments/bench_decode.py runs at a tiny size, both decode paths and a scanned hybrid; the operation count of
+a compiled loop follows its nesting."""
+
+import jax
+import jax.numpy as jnp
+
+from experiments.bench_decode import main
+from gdn.bench.timing import ops_per_iteration
+
+TINY = ["--d-model", "32", "--layers", "4", "--heads", "2", "--head-dim", "8", "--vocab", "32", "--steps", "2",
+        "--reps", "1", "--contexts", "8,16"]
+
+
+def test_bench_decode_table(capsys):
+  main(TINY + ["--patterns", "R,RRRA", "--paths", "plain,lean,lean_unrolled", "--batches", "1,2", "--scan-layers"])
+  lines = capsys.readouterr().out.splitlines()
+  first = lines.index(next(line for line in lines if line.startswith("| pattern |"))) + 2
+  rows = [line.strip("| ").split(" | ") for line in lines[first:lines.index("", first)]]
+  assert len(rows) == 2 * 3 * 2 * 2  # patterns x paths x batches x contexts
+  for pattern, path, batch, context, ms, tps, floor, ratio, ops in rows:
+    # ms is printed to 3 decimals, tokens/s from the unrounded value; the floor of this tiny model rounds to 0.
+    assert float(ms) > 0 and float(floor) >= 0 and ratio.endswith("x")
+    assert abs(float(tps) * float(ms) / (int(batch) * 1e3) - 1) < 0.02
+  ops = {(r[0], r[1]): int(r[8]) for r in rows}
+  assert all(ops[q, "lean"] < ops[q, "plain"] for q in ("R", "RRRA"))  # the fused projections
+  assert all(ops[q, "lean_unrolled"] < ops[q, "lean"] for q in ("R", "RRRA"))  # no per-layer weight slices
+
+
+def test_ops_per_iteration_counts_nested_loops_by_trip_count():
+  def ops(n_inner):
+    def f(x, w):
+      inner = lambda x: jax.lax.fori_loop(0, n_inner, lambda i, y: jnp.tanh(y @ w), x)
+      return jax.lax.fori_loop(0, 100, lambda i, y: jnp.cos(inner(y)) @ w, x)
+    return ops_per_iteration(jax.jit(f).lower(jnp.ones((4, 64)), jnp.ones((64, 64))).compile())
+
+  # Loops this long stay loops: each inner iteration adds the same operations.
+  ten, thirty = ops(10), ops(30)
+  assert 0 < ten < thirty and (thirty - ten) % 20 == 0
