@@ -29,7 +29,9 @@ def get_config(size="full"):
   c = base.get_config()
   c.name = "niah" if size == "full" else "niah_small"
   base.task(c, "niah", batch_size=32, vocab_size=512, num_layers=4, metric="seq_accuracy")
-  c.data.eval_batch_size = 16
+  # Attention's float32 logits at 8K are 2 heads x 8192^2 x 4 bytes = 0.5 GiB per example, and nine processes
+  # share the GPU: 4 examples a batch.
+  c.data.eval_batch_size = 4
   n = c.data.niah
   n.tasks = ("sniah1", "sniah2", "sniah3")
   n.key_length, n.value_length, n.uuid_length = 2, 7, 32
@@ -49,6 +51,7 @@ def get_config(size="full"):
     n.train_lengths = (64,)
     n.eval_lengths = (64, 128, 256, 512)
     n.eval_examples = 32
+    c.data.eval_batch_size = 16
     base.apply(c, base.width(64))
     base.schedule(base.cpu(c), 200, 20, every=100)
     c.sweep.learning_rates = (3e-3,)
