@@ -55,17 +55,89 @@ def test_mqar_query_gaps_follow_a_power_law():
   assert np.mean(gaps < (T - 2 * P) // 20) > 0.3
 
 
-def test_niah_targets_are_the_needle_value():
-  cfg = niah.NIAHConfig(train_lengths=(128,), eval_lengths=(256,))
-  for haystack in ("repeat", "random"):
-    c = niah.NIAHConfig(haystack=haystack, train_lengths=(128,), eval_lengths=(256,))
-    b = niah.batch(c, _rng(), 4, 256, seed=0)
+# RULER's three single-needle tasks and the unstructured haystack, with their value alphabets.
+NIAH_VARIANTS = [("repeat", "number", 4), ("essay", "number", 7), ("essay", "uuid", 16), ("random", "word", 4)]
+
+
+@pytest.mark.parametrize("haystack, value, Vl", NIAH_VARIANTS)
+def test_niah_needle_once_query_matches_answer_supervised(haystack, value, Vl):
+  c = niah.NIAHConfig(haystack=haystack, value=value, key_length=2, value_length=Vl, train_lengths=(96,),
+                      eval_lengths=(96, 300))
+  Kl, n = c.key_length, 2 + c.key_length + Vl
+  low, high = {"number": (4, 14), "uuid": (4, 20), "word": (20, c.vocab_size)}[value]
+  for T in (96, 300):
+    b = niah.batch(c, _rng(T), 8, T, seed=0)
+    assert b["inputs"].shape == b["targets"].shape == b["weights"].shape == (8, T)
     for x, y, w in zip(b["inputs"], b["targets"], b["weights"]):
+      assert (x == niah.NEEDLE).sum() == 1 and (x == niah.QUERY).sum() == 1 and x[T - n] == niah.QUERY
       start = int(np.nonzero(x == niah.NEEDLE)[0][0])
-      value = x[start + 2 + cfg.key_length:start + 2 + cfg.key_length + cfg.value_length]
-      np.testing.assert_array_equal(y[w > 0], value)
-      query_key = x[-(cfg.key_length + cfg.value_length + 1):-(cfg.value_length + 1)]
-      np.testing.assert_array_equal(query_key, x[start + 1:start + 1 + cfg.key_length])
+      assert start + n <= T - n  # the needle lies wholly inside the haystack, before the query
+      value_ = x[start + 2 + Kl:start + n]
+      np.testing.assert_array_equal(x[T - n + 1:T - n + 1 + Kl], x[start + 1:start + 1 + Kl])  # the query key
+      assert x[start + 1 + Kl] == x[T - Vl - 1] == niah.SEP
+      assert ((value_ >= low) & (value_ < high)).all() and (x[start + 1:start + 1 + Kl] >= 20).all()
+      # Weight only on the answer: the positions that predict the query's value tokens.
+      np.testing.assert_array_equal(np.nonzero(w)[0], np.arange(T - Vl - 1, T - 1))
+      np.testing.assert_array_equal(y[w > 0], value_)
+      np.testing.assert_array_equal(x[T - Vl:], value_)
+
+
+def test_niah_essay_windows_and_repeated_phrases():
+  c = niah.NIAHConfig(haystack="essay", value="number", key_length=2, train_lengths=(128,), eval_lengths=(128,))
+  stream = niah.essay(c.vocab_size, 3)
+  np.testing.assert_array_equal(stream, niah.essay(c.vocab_size, 3))
+  assert not np.array_equal(stream[:1000], niah.essay(c.vocab_size, 4)[:1000])
+  windows = np.lib.stride_tricks.sliding_window_view(stream, 8)
+  starts = set()
+  for x in niah.batch(c, _rng(), 16, 128, seed=3)["inputs"]:
+    first = int(np.nonzero(x == niah.NEEDLE)[0][0])
+    if first >= 8:  # the haystack before the needle is a window of the run's essay
+      (start,) = np.nonzero((windows == x[:8]).all(1))[0][:1]
+      np.testing.assert_array_equal(x[:first], stream[start:start + first])
+      starts.add(int(start))
+  assert len(starts) > 1  # each example its own window
+  r = niah.NIAHConfig(haystack="repeat", train_lengths=(128,), eval_lengths=(128,))
+  phrases = set()
+  for h in niah.haystack(r, _rng(), 8, 128, seed=3):
+    periods = [p for p in range(8, 25) if np.array_equal(h[p:], h[:-p])]
+    assert periods  # one phrase of 8-24 tokens, repeated
+    phrases.add(tuple(h[:periods[0]]))
+  assert len(phrases) == 8  # a phrase of its own in each example
+
+
+def test_niah_lm_weight_supervises_the_haystack_in_training_only():
+  c = niah.NIAHConfig(haystack="essay", value="number", key_length=2, train_lengths=(64,), eval_lengths=(64,),
+                      lm_weight=0.1, eval_examples=4)
+  a = 64 - c.value_length - 1  # the first answer position
+  w = niah.train_batch(c, _rng(), 4, seed=0)["weights"]
+  assert (w[:, a:63] == 1).all() and (w[:, :a] == np.float32(0.1)).all() and (w[:, 63] == 0).all()
+  w = eval_batches(niah.eval_splits(c, 0)[0], 4, 0)[0]["weights"]
+  np.testing.assert_array_equal(np.nonzero(w[0])[0], np.arange(a, 63))
+
+
+def test_niah_mixture_trains_every_task_and_evaluates_each():
+  c = niah.NIAHConfig(tasks=("sniah1", "sniah2", "sniah3"), key_length=2, value_length=4, uuid_length=8,
+                      train_lengths=(64,), eval_lengths=(64, 512), eval_examples=4)
+  splits = niah.eval_splits(c, 0)
+  assert [s.name for s in splits] == [f"sniah{i}_T{T}" for i in (1, 2, 3) for T in (64, 512)]
+  for s in splits:
+    b = eval_batches(s, 4, 0)[0]
+    T = int(s.name.split("_T")[1])
+    Vl = 8 if s.name.startswith("sniah3") else 4
+    assert b["inputs"].shape == (4, T) and (b["weights"].sum(1) == Vl).all()
+    answer = b["targets"][b["weights"] > 0]
+    assert answer.max() < (20 if Vl == 8 else 14)  # hex digits for the uuid, digits for the number
+  seen = {int(niah.train_batch(c, _rng(i), 2, 0)["weights"][0].sum()) for i in range(30)}
+  assert seen == {4, 8}
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(haystack="essays"), "haystack"), (dict(value="hex"), "value"), (dict(value_length=0), "value_length"),
+    (dict(key_length=0), "key_length"), (dict(lm_weight=2.0), "lm_weight"), (dict(eval_lengths=(16,)), "length 16"),
+    (dict(vocab_size=30), "vocab_size")])
+def test_niah_config_errors_name_the_argument(kwargs, needle):
+  with pytest.raises(ValueError, match=needle):
+    niah.NIAHConfig(**{"train_lengths": (64,), **kwargs})
 
 
 def _state(task, lengths=(3, 40)):
