@@ -1,0 +1,74 @@
+"""The corpus builder: deterministic, duplicates kept once, no file on both sides of the split, the cap holds."""
+
+import hashlib
+import json
+
+import pytest
+
+from gdn.data import corpus
+
+
+def _tree(tmp_path, n=60):
+  """Two fake roots: distinct files, a vendored copy of one, an empty file and one holding a NUL byte."""
+  a, b = tmp_path / "lib", tmp_path / "site"
+  for i in range(n):
+    (a / f"pkg{i % 5}").mkdir(parents=True, exist_ok=True)
+    (a / f"pkg{i % 5}" / f"m{i}.py").write_text(f"def f{i}(x):\n  return x * {i}\n" * (1 + i % 7))
+  (b / "vendor").mkdir(parents=True)
+  (b / "vendor" / "m3.py").write_bytes((a / "pkg3" / "m3.py").read_bytes())
+  (b / "empty.py").write_text("")
+  (b / "nul.py").write_bytes(b"x = 1\0")
+  (b / "notes.txt").write_text("not python")
+  return {"stdlib": [str(a)], "site-packages": [str(b)]}
+
+
+@pytest.fixture
+def fake_roots(tmp_path, monkeypatch):
+  roots = _tree(tmp_path)
+  monkeypatch.setattr(corpus, "root_dirs", lambda name: roots[name])
+  return roots
+
+
+def _lines(out, key):
+  return [line.split(" ", 1) for line in (out / f"{key}_files.txt").read_text().splitlines()]
+
+
+def test_two_builds_give_identical_bytes_and_manifests(tmp_path):
+  outs = [tmp_path / "a", tmp_path / "b"]
+  for out in outs:
+    corpus.build(str(out), roots=("stdlib",), max_bytes=1 << 20)
+  for name in ("train.bin", "val.bin", "manifest.json", "train_files.txt", "val_files.txt"):
+    assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+  m = json.loads((outs[0] / "manifest.json").read_text())
+  assert m["train"]["sha256"] == hashlib.sha256((outs[0] / "train.bin").read_bytes()).hexdigest()
+
+
+def test_duplicates_are_kept_once_and_the_split_is_disjoint(fake_roots, tmp_path):
+  out = tmp_path / "c"
+  m = corpus.build(str(out), val_fraction=0.3)
+  assert m["files_found"] == 62  # 60 + the copy + the NUL file; the empty and .txt files are not listed
+  assert m["duplicates_removed"] == 1 and m["with_nul_skipped"] == 1
+  train, val = _lines(out, "train"), _lines(out, "val")
+  assert len(train) + len(val) == 60 and train and val
+  assert not {d for d, _ in train} & {d for d, _ in val}
+  assert not {n for _, n in train} & {n for _, n in val}
+  # Every byte of each split is its files' contents joined by NUL, so no file is in both streams either.
+  for key, lines in (("train", train), ("val", val)):
+    data = (out / f"{key}.bin").read_bytes()
+    assert data.count(b"\0") == len(lines) - 1 and m[key]["bytes"] == len(data)
+
+
+def test_the_cap_bounds_the_bytes_and_keeps_a_subset(fake_roots, tmp_path):
+  full = corpus.build(str(tmp_path / "full"), val_fraction=0.3)
+  total = full["train"]["bytes"] + full["val"]["bytes"]
+  m = corpus.build(str(tmp_path / "cap"), val_fraction=0.3, max_bytes=total // 2)
+  assert m["train"]["bytes"] + m["val"]["bytes"] + 2 <= total // 2
+  small = {d for key in ("train", "val") for d, _ in _lines(tmp_path / "cap", key)}
+  big = {d for key in ("train", "val") for d, _ in _lines(tmp_path / "full", key)}
+  assert small < big
+
+
+def test_a_cap_too_small_for_both_splits_is_refused(fake_roots, tmp_path):
+  with pytest.raises(ValueError, match="max_bytes=30"):
+    corpus.build(str(tmp_path / "x"), max_bytes=30)
+
