@@ -1,11 +1,13 @@
-"""The corpus builder: deterministic, duplicates kept once, no file on both sides of the split, the cap holds."""
+"""The corpus builder: deterministic, duplicates kept once, no file on both sides of the split, the cap holds,
+and the `tokens` task reads what it writes in bits per byte."""
 
 import hashlib
 import json
 
+import numpy as np
 import pytest
 
-from gdn.data import corpus
+from gdn.data import DataConfig, corpus, make_task, text
 
 
 def _tree(tmp_path, n=60):
@@ -72,3 +74,14 @@ def test_a_cap_too_small_for_both_splits_is_refused(fake_roots, tmp_path):
   with pytest.raises(ValueError, match="max_bytes=30"):
     corpus.build(str(tmp_path / "x"), max_bytes=30)
 
+
+def test_token_files_of_bytes_report_bits_per_byte(fake_roots, tmp_path):
+  out = tmp_path / "c"
+  corpus.build(str(out), val_fraction=0.3)
+  cfg = DataConfig(task="tokens", batch_size=2, text=text.TextConfig(
+      seq_len=16, train_file=str(out / "train.bin"), val_file=str(out / "val.bin"), token_dtype="uint8",
+      vocab_size=256))
+  task = make_task(cfg, seed=0, num_batches=2)
+  assert task.bits_per_token and task.vocab_size == 256
+  want = np.frombuffer((out / "train.bin").read_bytes(), np.uint8)
+  assert set(np.asarray(task.train[0]["inputs"]).ravel()) <= set(want.tolist())
