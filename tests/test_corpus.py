@@ -85,3 +85,19 @@ def test_token_files_of_bytes_report_bits_per_byte(fake_roots, tmp_path):
   assert task.bits_per_token and task.vocab_size == 256
   want = np.frombuffer((out / "train.bin").read_bytes(), np.uint8)
   assert set(np.asarray(task.train[0]["inputs"]).ravel()) <= set(want.tolist())
+
+
+def _tokens(out, batch, seq_len=16):
+  return DataConfig(task="tokens", batch_size=batch, text=text.TextConfig(
+      seq_len=seq_len, train_file=str(out / "train.bin"), val_file=str(out / "val.bin"), token_dtype="uint8",
+      vocab_size=256, single_pass=True))
+
+
+def test_single_pass_refuses_a_run_that_would_see_tokens_twice(fake_roots, tmp_path):
+  out = tmp_path / "c"
+  m = corpus.build(str(out), val_fraction=0.3)
+  windows = (m["train"]["bytes"] - 1) // 16
+  make_task(_tokens(out, windows), seed=0, num_batches=1)  # exactly one pass: allowed
+  with pytest.raises(ValueError, match=r"config.train.steps .* 2 x config.data.batch_size") as e:
+    make_task(_tokens(out, windows), seed=0, num_batches=2)
+  assert f"has {windows:,}" in str(e.value)
