@@ -195,15 +195,18 @@ def _check_context_parallel(cfg: ExperimentConfig) -> None:
   the first step is traced. The device count and the sequence lengths are checked by the loop and the step."""
   if cfg.train.mesh_seq == 1:
     return
-  rec = cfg.model.recurrent
-  if rec.dropout > 0:
-    raise ConfigError(f"config.train.mesh_seq={cfg.train.mesh_seq} does not support "
-                      f"config.model.recurrent.dropout={rec.dropout}: every device would draw its slice's "
-                      "dropout mask from the same key; set dropout to 0 or mesh_seq to 1")
-  if "recurrent" in cfg.model.layer_kinds and rec.beta == "channel":
-    raise ConfigError(f"config.train.mesh_seq={cfg.train.mesh_seq} does not support "
-                      "config.model.recurrent.beta='channel' (per-value-channel beta has no [K, K] slice "
-                      "map); use beta='head' or mesh_seq=1")
+  for kind, key in (("recurrent", "recurrent"), ("mamba2", "mamba2")):
+    rec = cfg.model.mixer_config(kind)
+    if kind == "mamba2" and kind not in cfg.model.layer_kinds:
+      continue
+    if rec.dropout > 0:
+      raise ConfigError(f"config.train.mesh_seq={cfg.train.mesh_seq} does not support "
+                        f"config.model.{key}.dropout={rec.dropout}: every device would draw its slice's "
+                        "dropout mask from the same key; set dropout to 0 or mesh_seq to 1")
+    if kind in cfg.model.layer_kinds and rec.beta == "channel":
+      raise ConfigError(f"config.train.mesh_seq={cfg.train.mesh_seq} does not support "
+                        f"config.model.{key}.beta='channel' (per-value-channel beta has no [K, K] slice "
+                        "map); use beta='head' or mesh_seq=1")
 
 
 def to_dict(cfg) -> dict:
