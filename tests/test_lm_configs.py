@@ -84,3 +84,12 @@ def test_the_full_budget_is_refused_on_a_corpus_too_small_for_it(small_corpus):
   with pytest.raises(ValueError, match=r"config.train.steps \(or stop_step\) 2000 x config.data.batch_size 64"):
     make_task(cell.config.data, cell.config.seed, cell.config.train.steps)
 
+
+def test_a_run_records_the_corpus_digests(small_corpus, tmp_path):
+  from gdn.train import from_dict, train  # noqa: PLC0415
+  c = _with_corpus(_models(lm_ablations, "small")[0], small_corpus)
+  apply_overrides(c, ("train.steps=3", "train.warmup_steps=1", "train.eval_every=0", "train.checkpoint_every=0",
+                      "train.progress_bar=false", "data.text.eval_examples=4", f"workdir={tmp_path / 'run'}"))
+  summary = train(from_dict(c.to_dict()), log=lambda *a: None)
+  want = (small_corpus / "manifest.json").read_text()
+  assert summary["corpus"]["train"]["sha256"] in want and summary["eval"]["bits_per_byte"] > 0

@@ -114,6 +114,17 @@ def build(out: str, roots=ROOTS, exts=(".py",), max_bytes: int = 0, val_fraction
   return manifest
 
 
+def describe(train_file: str):
+  """What a results file should record of the corpus a token file belongs to: the manifest.json beside it, less
+  its file-list names; None when there is none (a token file not built by this module)."""
+  path = os.path.join(os.path.dirname(os.path.abspath(train_file)), "manifest.json")
+  if not train_file or not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    m = json.load(f)
+  return {k: m[k] for k in ("python", "roots", "extensions", "max_bytes", "train", "val") if k in m}
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="gdn-corpus", description=__doc__.split("\n")[0])
   p.add_argument("--out", required=True, help="directory for train.bin, val.bin, manifest.json")

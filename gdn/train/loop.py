@@ -10,7 +10,7 @@ import jax
 import tqdm
 from jax.experimental import multihost_utils
 
-from gdn.data import iterator, make_task
+from gdn.data import corpus, iterator, make_task
 from gdn.train import checkpoint, evaluate, metrics, optimizer, sharding, step, workdir as workdirs
 from gdn.train.config import ConfigError, ExperimentConfig
 
@@ -197,6 +197,8 @@ def _train(cfg: ExperimentConfig, log) -> dict:
   # steps: the steps trained, fewer than train.last_step when stopped_early.
   summary = dict(name=cfg.name, workdir=os.path.abspath(workdir), steps=last, stopped_early=stopped,
                  params=n_params, seconds=time.perf_counter() - t0, eval=final_eval)
+  if cfg.data.task == "tokens":  # the digests of a gdn-corpus build name the exact bytes trained on
+    summary["corpus"] = corpus.describe(cfg.data.text.train_file)
   if primary:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
