@@ -93,3 +93,14 @@ def test_a_run_records_the_corpus_digests(small_corpus, tmp_path):
   summary = train(from_dict(c.to_dict()), log=lambda *a: None)
   want = (small_corpus / "manifest.json").read_text()
   assert summary["corpus"]["train"]["sha256"] in want and summary["eval"]["bits_per_byte"] > 0
+
+
+def test_published_table_marks_agreement_ties_and_disagreement():
+  from gdn.sweep import published  # noqa: PLC0415
+  spec = dict(source="S", metric="ppl", reference="a", values=dict(a=10.0, b=11.0, c=9.0, d=10.01))
+  ours = dict(a=(1.00, 0.01, 3), b=(1.10, 0.01, 3), c=(1.10, 0.01, 3), d=(1.005, 0.01, 3))
+  rows = {line.split(" | ")[0][2:]: line for line in published.table(spec, ours, "bits_per_byte")[4:]}
+  assert rows["a"].endswith("(reference) |")
+  assert "worse" in rows["b"] and rows["b"].endswith("| agrees |")
+  assert "better" in rows["c"] and rows["c"].endswith("| **disagrees** |")
+  assert "≈" in rows["d"] and rows["d"].endswith("| agrees |")  # 0.1% there, within two standard errors here

@@ -13,6 +13,7 @@ import re
 import numpy as np
 
 from gdn.data import make_task
+from gdn.sweep import published
 from gdn.train.config import to_dict
 from gdn.train.metrics import read_jsonl
 
@@ -179,6 +180,9 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
     return f"{_cell(mean, std, n)} (lr {_rates(lrs)})"
 
   lines += _by_model_and_setting(models, settings, best_rates)
+  for spec in sweep.published.values():  # the first setting's numbers beside each published table
+    ours = {m: summary[(m, settings[0])][:3] for m in models if (m, settings[0]) in summary}
+    lines += [""] + published.table(spec, ours, metric)
   tc = cells[0].config.train
   if tc.early_stop > 0:
     lines += ["", f"Steps trained until eval `{tc.early_stop_metric}` reached {tc.early_stop} (mean ± std over the "

@@ -104,6 +104,9 @@ class SweepConfig:
   metric: str = "accuracy"  # final eval metric that picks the learning rate and fills the table
   mode: str = "max"  # "max" | "min"
   x_key: str = ""  # a config key to plot the metric against (e.g. "model.d_model")
+  # Published results to set beside ours in the report (gdn.sweep.published): name -> {"source", "metric",
+  # "reference" (one of models), "values" {model: number}}, lower is better.
+  published: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if self.mode not in ("max", "min"):
@@ -114,6 +117,13 @@ class SweepConfig:
           raise ValueError(f"{group}.{name} must be a tuple of 'key=value' strings, got {overrides!r}")
     if not self.seeds:
       raise ValueError("seeds must not be empty")
+    for name, spec in self.published.items():
+      missing = {"source", "metric", "reference", "values"} - set(spec)
+      if missing:
+        raise ValueError(f"published.{name} needs keys source, metric, reference and values; missing "
+                         f"{', '.join(sorted(missing))}")
+      if spec["reference"] not in spec["values"]:
+        raise ValueError(f"published.{name}.reference {spec['reference']!r} has no value in its values")
 
 
 @dataclasses.dataclass(frozen=True)
