@@ -8,8 +8,6 @@ dense layer), so one abstract init gives the width, rounded to a multiple of `mu
 
 from __future__ import annotations
 
-import dataclasses
-
 from gdn.bench.model_flops import param_count
 from gdn.config import ModelConfig
 from gdn.layers.mlp import hidden_size
@@ -28,9 +26,4 @@ def matched_mlp_hidden(cfg: ModelConfig, target: int, multiple: int = 8) -> int:
   h0 = mlp_width(cfg)
   per_unit = 3 * cfg.d_model * dense  # gate, up and down projections of every dense layer
   h = h0 + (target - param_count(cfg)) / per_unit
-  h = max(multiple, int(round(h / multiple)) * multiple)
-  return h
-
-
-def match(cfg: ModelConfig, target: int, multiple: int = 8) -> ModelConfig:
-  return dataclasses.replace(cfg, mlp_hidden=matched_mlp_hidden(cfg, target, multiple))
+  return max(multiple, int(round(h / multiple)) * multiple)
