@@ -25,7 +25,8 @@ def table(spec, ours: dict, metric: str) -> list:
            f"errors over seeds).", "",
            "| model | published | published change | ours | our change | agree? |", "|---|---|---|---|---|---|"]
   r_mean, r_std, r_n = ours.get(ref, (math.nan, math.nan, 0))
-  for model, value in pub.items():
+  for model in [ref] + [m for m in pub if m != ref]:
+    value = pub[model]
     p_delta = value - pub[ref]
     p_dir = _direction(p_delta, PAPER_TIE * abs(pub[ref]))
     mean, std, n = ours.get(model, (math.nan, math.nan, 0))
@@ -40,8 +41,10 @@ def table(spec, ours: dict, metric: str) -> list:
       agree = "agrees" if o_dir == p_dir else "tie on one side"
     else:
       agree = "agrees" if o_dir == p_dir else "**disagrees**"
+    if model != ref and agree != "not run" and not se:
+      agree += " (one seed: no noise estimate)"
     ours_text = "–" if math.isnan(mean) else f"{mean:.3f} ± {std:.3f} (n={n})"
-    lines.append(f"| {model} | {value:g} | {p_delta:+.2f} {p_dir if model != ref else ''} | {ours_text} | "
-                 + ("" if model == ref or math.isnan(o_delta) else f"{o_delta:+.3f} {o_dir}")
-                 + f" | {agree} |")
+    changes = ("", "") if model == ref else (f"{p_delta:+.2f} {p_dir}",
+                                              "" if math.isnan(o_delta) else f"{o_delta:+.3f} {o_dir}")
+    lines.append(f"| {model} | {value:g} | {changes[0]} | {ours_text} | {changes[1]} | {agree} |")
   return lines
