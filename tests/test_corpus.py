@@ -101,3 +101,19 @@ def test_single_pass_refuses_a_run_that_would_see_tokens_twice(fake_roots, tmp_p
   with pytest.raises(ValueError, match=r"config.train.steps .* 2 x config.data.batch_size") as e:
     make_task(_tokens(out, windows), seed=0, num_batches=2)
   assert f"has {windows:,}" in str(e.value)
+
+
+def test_a_text_run_logs_how_many_epochs_it_trains(fake_roots, tmp_path):
+  from gdn.train import ExperimentConfig, TrainConfig, train  # noqa: PLC0415
+  from gdn.config import ModelConfig, RecurrentConfig  # noqa: PLC0415
+  out = tmp_path / "c"
+  m = corpus.build(str(out), val_fraction=0.3)
+  data = _tokens(out, 2)
+  cfg = ExperimentConfig(workdir=str(tmp_path / "run"), data=data, train=TrainConfig(
+      steps=3, warmup_steps=1, eval_every=0, checkpoint_every=0, progress_bar=False),
+      model=ModelConfig(d_model=16, num_layers=1, pattern="R", recurrent=RecurrentConfig(
+          num_heads=1, head_dim=16, method="recurrent")))
+  lines = []
+  train(cfg, log=lines.append)
+  windows = (m["train"]["bytes"] - 1) // 16
+  assert f"data: 6 training windows of {windows:,} in the train split ({6 / windows:.2f} epochs)" in lines

@@ -64,4 +64,5 @@ def make_task(cfg: DataConfig, seed: int, num_batches: int, rows: Optional[slice
   # byte; wider tokens (a BPE vocabulary) cover several bytes each, and bits per token would not be.
   per_byte = cfg.task == "bytes" or c.token_dtype == "uint8"
   return Task(cfg.task, vocab, text.train_dataset(c, cfg.task, B, seed, num_batches, rows),
-              tuple(text.eval_splits(c, cfg.task)), bits_per_token=per_byte)
+              tuple(text.eval_splits(c, cfg.task)), bits_per_token=per_byte,
+              train_windows=len(text.Windows(text.streams(c, cfg.task)[0], c.seq_len)))

@@ -85,6 +85,9 @@ def _train(cfg: ExperimentConfig, log) -> dict:
   if task.vocab_size > cfg.model.vocab_size:
     raise ConfigError(f"config.model.vocab_size {cfg.model.vocab_size} is smaller than the vocabulary of task "
                       f"{task.name!r} ({task.vocab_size})")
+  if task.train_windows:  # how often a text run sees its data, which decides whether it can overfit
+    log(f"data: {last * B:,} training windows of {task.train_windows:,} in the train split "
+        f"({last * B / task.train_windows:.2f} epochs)")
   tx = optimizer.make_optimizer(tc)
   lr = optimizer.lr_shape(tc)
   graphdef, state = step.init(cfg.model, tx, cfg.seed)
