@@ -1,6 +1,6 @@
 """S-NIAH-1/2/3 (RULER's single-needle tasks; the Gated DeltaNet paper's S-NIAH table) at small scale.
 
-  gdn-compare --config configs/niah.py:small   # CPU: 5 models x 3 seeds, train at 64, evaluate at 64-512
+  gdn-compare --config configs/niah.py:small   # CPU, about an hour: 5 models x 3 seeds, train at 64, evaluate to 512
   gdn-compare --config configs/niah.py         # GPU: train at 1K, evaluate at 1K-8K, 3 seeds x 3 rates
 
 The paper evaluates 1.3B language models, pretrained on 100B tokens at length 4K, zero-shot on S-NIAH at
