@@ -78,11 +78,10 @@ def layer_cache_bytes(cfg: ModelConfig, batch: int, context: int, *, dtype=None,
   _check(cfg, batch, context)
   cache_size = itemsize(cfg.dtype if dtype is None else dtype)
   state_size = itemsize(state_dtype)
-  a = cfg.attention
+  a, r = cfg.attention, cfg.recurrent
   out = []
   for kind in cfg.layer_kinds:
-    if kind in ("recurrent", "mamba2"):
-      r = cfg.mixer_config(kind)
+    if kind == "recurrent":
       conv = batch * (r.conv_size - 1) * (2 * r.num_heads * r.head_dim + r.HV * r.V) * cache_size if r.short_conv else 0
       out.append(CacheBytes(state=batch * r.HV * r.head_dim * r.V * state_size, conv=conv))
     else:
