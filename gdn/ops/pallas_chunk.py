@@ -37,8 +37,10 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gdn.ops import checks, intra_chunk
+from gdn.ops import checks, intra_chunk, pallas_local
 from gdn.ops.chunk import finish, initial, isolate_segments, prepare
+from gdn.ops.pallas_common import default_interpret, kernel_precision
+from gdn.ops.pallas_common import pow2 as _pow2
 
 BLOCK_V = 64  # value channels per program: a [128, 64] float32 state is 64 registers a thread at 4 warps
 # bfloat16 callers (DEFAULT precision) get bfloat16 operands in HBM (U0, W, k_end, and the S_in and U the
@@ -55,11 +57,6 @@ class Config:
   interpret: bool
   delta: bool  # False without the delta rule (no W): then U = U0 and the kernels skip its matmul
   operands: str = "float32"  # dtype of U0, W, k_end, S_in and U in memory (the state is always float32)
-
-
-def _pow2(n: int, least: int = 16) -> int:
-  """Triton needs power-of-two block shapes, and at least 16 along every dot dimension."""
-  return max(least, 1 << max(0, n - 1).bit_length())
 
 
 def _dot(a, b, ta: bool, tb: bool, prec):
@@ -279,21 +276,6 @@ def _state_pass_bwd(cfg, res, cts):
 
 
 _state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
-
-
-def default_interpret() -> bool:
-  """Compiled Triton kernels on a GPU backend; Pallas' interpreter elsewhere (CPU CI runs the same kernels)."""
-  return jax.default_backend() != "gpu"
-
-
-def kernel_precision(prec, interpret: bool):
-  """The dot precision inside the kernels. Compiled, a float32 caller's HIGHEST becomes 3xTF32 (three TF32
-  tensor-core products, float32 accumulation, about float32 accuracy): Triton lowers HIGHEST to IEEE float32
-  dots without tensor cores, which spill heavily at K = 128. DEFAULT (bfloat16 callers) is one TF32 product,
-  as XLA does it. The interpreter keeps `prec`: XLA:CPU has no TF32 algorithms."""
-  if not interpret and prec == jax.lax.Precision.HIGHEST:
-    return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-  return prec
 
 
 def state_pass(loc: intra_chunk.Local, S0, prec, *, block_v: int = BLOCK_V, interpret: Optional[bool] = None):
