@@ -47,6 +47,9 @@ BLOCK_V = 64  # value channels per program: a [128, 64] float32 state is 64 regi
 # forward writes): the forward state pass is bound by these bytes. The state and all accumulation stay float32.
 BF16_OPERANDS = True
 BWD_STAGES_BF16 = 2  # pipeline stages of the backward kernel on bfloat16 operands (float32 ones fit only one)
+# The chunk-local work (`chunk.prepare`) as the fused Pallas kernel of `pallas_local` (per-head decay and beta
+# without segments; other variants stay in XLA). Off until the H200 run shows that it beats XLA's.
+FUSED_LOCAL = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +292,7 @@ def state_pass(loc: intra_chunk.Local, S0, prec, *, block_v: int = BLOCK_V, inte
   Returns:
     S_T [B, HV, K, V], S_in [B, HV, N, K, V] and U [B, HV, N, C, V], as `chunk.scan_chunks`.
   """
-  delta = loc.A is not None
+  delta = loc.A is not None or loc.W is not None  # the fused chunk-local kernel returns W without A
   if delta and loc.W is None:
     raise ValueError("the Pallas state pass needs loc.W (per-head beta); per-value-channel beta has none")
   C, V = loc.U.shape[-2:]
@@ -320,16 +323,18 @@ def state_pass(loc: intra_chunk.Local, S0, prec, *, block_v: int = BLOCK_V, inte
 
 def pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.Dims, chunk_size: int,
            block_v: int = BLOCK_V, interpret: Optional[bool] = None):
-  """`method="pallas"`: `chunk` with its sequential chunk scan replaced by the Pallas kernels. Declines
-  per-value-channel beta (its write vectors need a solve per value channel inside the scan)."""
+  """`method="pallas"`: `chunk` with its sequential chunk scan replaced by the Pallas kernels, and with
+  `FUSED_LOCAL` its chunk-local work by `pallas_local`'s kernel. Declines per-value-channel beta (its write
+  vectors need a solve per value channel inside the scan)."""
   if dims.beta_kind == "channel":
     raise ValueError("method='pallas' does not support per-value-channel beta ([B, T, HV, V]); "
                      "use method='chunk' or 'recurrent', or a per-head beta [B, T, HV]")
   chunk_size = min(chunk_size, dims.T)
 
   def run(q, k, v, g, beta, initial_state, segment_ids):
+    local = functools.partial(pallas_local.local, interpret=interpret) if FUSED_LOCAL else intra_chunk.local
     loc, _, _, _, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
-                                      chunk_size=chunk_size)
+                                      chunk_size=chunk_size, local=local)
     S_T, S_in, U = state_pass(loc, initial(initial_state, dims, cdt), prec, block_v=block_v, interpret=interpret)
     return finish(loc, S_in, U, prec, dims, chunk_size), S_T.astype(cdt)
 

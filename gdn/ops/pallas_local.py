@@ -186,7 +186,8 @@ def _fused_fwd(cfg, q, k, v, g, beta):
 
 def _fused_bwd(cfg, res, cts):
   _, vjp = jax.vjp(functools.partial(_reference, cfg.ref_prec), *res)
-  return vjp(tuple(cts))
+  odt = res[1].dtype  # every output's: a cotangent may come back wider (a float32 one for a bfloat16 P)
+  return vjp(tuple(ct.astype(odt) for ct in cts))
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
