@@ -125,9 +125,16 @@ def main(argv=None):
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--shapes", nargs="*", help="B,T,H,D each; default: the h200 preset's five")
   p.add_argument("--check-shape", default="4,4096,16,128", help="B,T,H,D of the accuracy check ('' skips it)")
+  p.add_argument("--block-k", type=int, default=pallas_local.BLOCK_K, help="pallas_local.BLOCK_K")
+  p.add_argument("--block-v", type=int, default=pallas_local.BLOCK_V, help="pallas_local.BLOCK_V")
+  p.add_argument("--num-warps", type=int, default=pallas_local.NUM_WARPS, help="pallas_local.NUM_WARPS")
+  p.add_argument("--num-stages", type=int, default=pallas_local.NUM_STAGES, help="pallas_local.NUM_STAGES")
   a = p.parse_args(argv)
+  pallas_local.BLOCK_K, pallas_local.BLOCK_V = a.block_k, a.block_v
+  pallas_local.NUM_WARPS, pallas_local.NUM_STAGES = a.num_warps, a.num_stages
   print(f"# chunk-local stage: XLA vs fused Pallas, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-        f"chunk 64, median of {a.reps}; FUSED_LOCAL default {pallas_chunk.FUSED_LOCAL}")
+        f"chunk 64, median of {a.reps}; FUSED_LOCAL default {pallas_chunk.FUSED_LOCAL}; kernel block_k {a.block_k}, "
+        f"block_v {a.block_v}, {a.num_warps} warps, {a.num_stages} stages")
   if a.check_shape:
     check(tuple(map(int, a.check_shape.split(","))))
   shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else PRESETS["h200"]["shapes"]

@@ -49,8 +49,11 @@ from gdn.ops import intra_chunk
 from gdn.ops.pallas_common import default_interpret, kernel_precision, pow2
 
 SUB = 16  # rows of the diagonal blocks inverted by forward substitution (Triton's smallest dot)
-BLOCK_K = 64  # key channels per step of the K loops: [Cp, BK] operands next to the [Cp, Cp] float32 arrays
-BLOCK_V = 64  # value channels per step of the V loop
+# Key and value channels per step of the K and V loops, and warps: at K = V = 128, bfloat16, C = 64, Triton 3.9
+# for sm_90 gives the kernel 197 registers a thread and no spill with 128 and 4 warps; with 64 (two steps),
+# 254; 8 warps, 254. `experiments/bench_local.py` times the alternatives on the card.
+BLOCK_K = 128
+BLOCK_V = 128
 NUM_WARPS = 4
 NUM_STAGES = 1
 
@@ -63,8 +66,8 @@ class Config:
   block_k: int
   block_v: int
   interpret: bool
-  num_warps: int = NUM_WARPS
-  num_stages: int = NUM_STAGES
+  num_warps: int
+  num_stages: int
 
 
 def supports(g, beta, masks, beta_kind: str, dtype) -> bool:
@@ -193,17 +196,18 @@ def _fused_bwd(cfg, res, cts):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "blocked", block_k: int = BLOCK_K,
-          block_v: int = BLOCK_V, interpret: Optional[bool] = None) -> intra_chunk.Local:
+def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "blocked", block_k: Optional[int] = None,
+          block_v: Optional[int] = None, interpret: Optional[bool] = None) -> intra_chunk.Local:
   """`intra_chunk.local`'s signature and results (k_dec and A None) through the fused kernel where `supports`
   says so, else `intra_chunk.local` itself (segment masks, per-key-channel decay, no decay, no or per-channel
   beta, float64). q (already scaled), k [L, C, K]; v [L, C, V]; g, beta [L, C]. `solver` reaches only the
-  fallback; interpret: Pallas' interpreter, None: where the default backend is not a GPU."""
+  fallback; block_k, block_v: None for BLOCK_K, BLOCK_V (read at the call, as NUM_WARPS and NUM_STAGES are);
+  interpret: Pallas' interpreter, None: where the default backend is not a GPU."""
   if not supports(g, beta, masks, beta_kind, jnp.result_type(q, k, v)):
     return intra_chunk.local(q, k, v, g, beta, masks, beta_kind=beta_kind, prec=prec, solver=solver)
   interpret = default_interpret() if interpret is None else interpret
-  cfg = Config(prec=kernel_precision(prec, interpret), ref_prec=prec, block_k=pow2(block_k), block_v=pow2(block_v),
-               interpret=interpret)
+  cfg = Config(prec=kernel_precision(prec, interpret), ref_prec=prec, block_k=pow2(block_k or BLOCK_K),
+               block_v=pow2(block_v or BLOCK_V), interpret=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
   q_dec, k_end, P, W, U = _fused(cfg, q, k, v, g, beta)
   decay = jnp.exp(jnp.cumsum(g, axis=1)[..., -1:])  # as intra_chunk: the last inclusive cumulative log-decay
   return intra_chunk.Local(q_dec=q_dec, k_dec=None, k_end=k_end, decay=decay, P=P, A=None, W=W, U=U)
