@@ -148,3 +148,17 @@ def test_compiled_on_gpu(dtype, tol):
   got = jax.jit(lambda *a: pallas_local.local(*a, None, beta_kind="head", prec=prec, interpret=False))(*args)
   for n in FIELDS:
     assert rel_err(getattr(got, n), getattr(want, n)) <= tol, (n, rel_err(getattr(got, n), getattr(want, n)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
+def test_compiled_op_on_gpu(monkeypatch, dtype, tol):
+  """`method="pallas"` with the fused kernel compiled, against the float64 recurrence: B = 2, T = 1024, H = 4,
+  K = V = 128, chunks of 64 (no segments: they would route the chunk-local work to XLA)."""
+  x = make_inputs(33, 2, 1024, 4, 4, 128, 128, "head", "head")
+  if dtype == "bfloat16":
+    x = {n: a if a is None or n in ("segment_ids", "initial_state") else jnp.asarray(a, jnp.bfloat16)
+         for n, a in x.items()}
+  x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
+           for n, a in x.items()}
+  assert_close(_fused_op(monkeypatch, x, 64), oracle(x_ref), tol, f"gpu pallas fused local {dtype}")
