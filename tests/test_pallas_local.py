@@ -97,14 +97,17 @@ def _fused_op(monkeypatch, x, chunk_size):
   monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", True)
   diff, seg, co = vjp_inputs(x)
 
-  def f(diff):
-    (o, S), vjp = jax.vjp(lambda d: ops.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"],
-                                                         initial_state=d["initial_state"], segment_ids=seg,
-                                                         method="pallas", chunk_size=chunk_size), diff)
-    (grads,) = vjp((co[0].astype(o.dtype), co[1].astype(S.dtype)))
-    return o, S, grads
+  op = lambda d: ops.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"],
+                                      segment_ids=seg, method="pallas", chunk_size=chunk_size)
 
-  o, S, grads = jax.jit(f)(diff)
+  def f(diff):
+    (o, S), vjp = jax.vjp(op, diff)
+    (grads,) = vjp((co[0].astype(o.dtype), co[1].astype(S.dtype)))
+    return grads
+
+  # The kernel runs in forward-only calls; a differentiated call's forward is XLA's (pallas_local's custom_vjp).
+  o, S = jax.jit(op)(diff)
+  grads = jax.jit(f)(diff)
   return (np.asarray(o, np.float64), np.asarray(S, np.float64),
           {n: np.asarray(g, np.float64) for n, g in grads.items()})
 
@@ -162,3 +165,20 @@ def test_compiled_op_on_gpu(monkeypatch, dtype, tol):
   x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
            for n, a in x.items()}
   assert_close(_fused_op(monkeypatch, x, 64), oracle(x_ref), tol, f"gpu pallas fused local {dtype}")
+
+
+def test_default_uses_the_kernel_only_where_it_compiles(monkeypatch):
+  """FUSED_LOCAL None: the fused kernel where the Pallas kernels compile, XLA's chunk-local work in the
+  interpreter (CPU); True forces the kernel (interpreted here)."""
+  calls = []
+  real = pallas_local.local
+  monkeypatch.setattr(pallas_local, "local", lambda *a, **kw: calls.append(kw.get("interpret")) or real(*a, **kw))
+  x = make_inputs(34, 1, 32, 1, 1, 16, 16, "head", "head")
+  run = lambda: ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], method="pallas", chunk_size=16)
+  monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", None)
+  want = run()[0]
+  assert calls == ([] if pallas_chunk.default_interpret() else [None])
+  monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", True)
+  got = run()[0]
+  assert calls[-1:] == [None]
+  assert rel_err(got, want) <= 1e-5

@@ -48,8 +48,10 @@ BLOCK_V = 64  # value channels per program: a [128, 64] float32 state is 64 regi
 BF16_OPERANDS = True
 BWD_STAGES_BF16 = 2  # pipeline stages of the backward kernel on bfloat16 operands (float32 ones fit only one)
 # The chunk-local work (`chunk.prepare`) as the fused Pallas kernel of `pallas_local` (per-head decay and beta
-# without segments; other variants stay in XLA). Off until the H200 run shows that it beats XLA's.
-FUSED_LOCAL = False
+# without segments; other variants stay in XLA) in forward-only calls: True, False, or None = where the Pallas
+# kernels compile (not in the interpreter, whose per-program loop would only slow CPU runs down). On the H200 it
+# took the op's forward from 1.03 to 0.76 ms at (4, 2048, 16, 128) (docs/benchmarks.md).
+FUSED_LOCAL: Optional[bool] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,7 +334,9 @@ def pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.
   chunk_size = min(chunk_size, dims.T)
 
   def run(q, k, v, g, beta, initial_state, segment_ids):
-    local = functools.partial(pallas_local.local, interpret=interpret) if FUSED_LOCAL else intra_chunk.local
+    interp = default_interpret() if interpret is None else interpret
+    fused = (not interp) if FUSED_LOCAL is None else FUSED_LOCAL
+    local = functools.partial(pallas_local.local, interpret=interpret) if fused else intra_chunk.local
     loc, _, _, _, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
                                       chunk_size=chunk_size, local=local)
     S_T, S_in, U = state_pass(loc, initial(initial_state, dims, cdt), prec, block_v=block_v, interpret=interpret)

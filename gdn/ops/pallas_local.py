@@ -26,8 +26,11 @@ inverse and W, U (its entries are float32 values), all accumulated in float32, a
 of the caller's precision: one TF32 pass on float32 operands for bfloat16 callers, as XLA's DEFAULT does it, and
 3xTF32 for float32 callers. The elementwise work (decays, forward substitution) is float32.
 
-Gradients: `jax.custom_vjp` whose backward is the VJP of the XLA reference (`intra_chunk.local` on the same
-inputs), so only the forward is new; the backward recomputes the reference forward in XLA.
+Gradients: `jax.custom_vjp` whose forward rule, run when the op is differentiated, is the XLA reference's
+(`intra_chunk.local` on the same inputs) with its VJP as residual, so only forward-only calls (evaluation,
+prefill, generation) run the kernel. On the H200 the first version, kernel forward then the reference
+recomputed in the backward, cost 2-4% more in forward+backward than XLA alone (docs/benchmarks.md); a training
+step now runs exactly the XLA program.
 
 Triton constraints the kernel keeps (Pallas' interpreter checks none of them): power-of-two blocks, at least 16
 along every dot dimension, 2-D dots, static slices of refs only, no slicing of loaded values (blocks are
@@ -184,12 +187,13 @@ def _fused(cfg: Config, q, k, v, g, beta):
 
 
 def _fused_fwd(cfg, q, k, v, g, beta):
-  return _forward(cfg, q, k, v, g, beta), (q, k, v, g, beta)
+  out, vjp = jax.vjp(functools.partial(_reference, cfg.ref_prec), q, k, v, g, beta)
+  return out, (vjp, k)
 
 
 def _fused_bwd(cfg, res, cts):
-  _, vjp = jax.vjp(functools.partial(_reference, cfg.ref_prec), *res)
-  odt = res[1].dtype  # every output's: a cotangent may come back wider (a float32 one for a bfloat16 P)
+  vjp, k = res
+  odt = k.dtype  # every output's: a cotangent may come back wider (a float32 one for a bfloat16 P)
   return vjp(tuple(ct.astype(odt) for ct in cts))
 
 
