@@ -18,6 +18,14 @@ from gdn.model import LanguageModel, for_decoding
 from gdn.ops import pallas_decode
 
 
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+  """float32 matmuls at float32 precision: on a GPU (where the non-`gpu` tests run compiled too) XLA's default is
+  TF32, which would round the two paths' slightly different inputs of the next matmul apart."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 def rel_err(got, want):
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   return np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
@@ -75,9 +83,10 @@ def test_routing():
   """The kernel only where the switch asks for it (off by default on CPU) and the layer is a fused Gated DeltaNet
   decode step of shapes it takes; other variants keep the XLA path, raising nothing."""
   m, x, cache = _mixer(0, jnp.float32)
-  assert pallas_decode.DECODE_KERNEL is None and not pallas_decode.enabled()
-  assert m._decode_layout(cache, 1, None) is None
+  assert pallas_decode.DECODE_KERNEL is None and pallas_decode.enabled() == (jax.default_backend() == "gpu")
   try:
+    pallas_decode.DECODE_KERNEL = False
+    assert m._decode_layout(cache, 1, None) is None
     pallas_decode.DECODE_KERNEL = True
     assert m._decode_layout(cache, 1, None) is not None
     assert m._decode_layout(cache, 2, None) is None  # prefill
@@ -149,6 +158,7 @@ def test_greedy_generation_is_the_same_with_the_kernel(monkeypatch):
   cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, pattern="R", recurrent=rcfg)
   lean = for_decoding(LanguageModel(cfg, rngs=nnx.Rngs(6)))
   prompt = jax.random.randint(jax.random.key(7), (2, 5), 0, 64, jnp.int32)
+  monkeypatch.setattr(pallas_decode, "DECODE_KERNEL", False)
   want = generate(lean, prompt, 4, rng=None, temperature=0.0)
   calls = _count_calls(monkeypatch)
   monkeypatch.setattr(pallas_decode, "DECODE_KERNEL", True)
@@ -186,7 +196,7 @@ def test_kernel_lowers_to_triton():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
 @pytest.mark.parametrize("num_v_heads", [16, 32])
 def test_compiled_on_gpu(monkeypatch, dtype, tol, num_v_heads):
   """The compiled kernel in a fused mixer at D = 2048, 16 heads x 128 (and GVA to 32 value heads), B = 8,
