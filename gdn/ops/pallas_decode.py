@@ -145,8 +145,8 @@ def fused_step(y, window, conv_w, conv_b, A_log, dt_bias, state, norm_w, *, layo
   y [B, N] the fused projection's row (compute dtype); window [B, W-1, C] the conv's last inputs; conv_w [W, C],
   conv_b None or [C] the conv's weight and bias; A_log, dt_bias [HV]; state [B, HV, K, V] float32; norm_w [V]
   the output norm's weight. Returns (out [B, HV, V] in y's dtype, new state float32, new window in y's dtype,
-  as the XLA conv's). Call only where `supports(layout, W)`; interpret: Pallas' interpreter, None: where the default backend
-  is not a GPU; block_v: None for BLOCK_V (read at the call)."""
+  as the XLA conv's). Call only where `supports(layout, W)`; interpret: Pallas' interpreter, None: where the
+  default backend is not a GPU; block_v: None for BLOCK_V (read at the call)."""
   lay = layout
   B, N = y.shape
   W = conv_w.shape[0]
