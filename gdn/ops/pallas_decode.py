@@ -122,7 +122,7 @@ def _kernel(y_ref, win_ref, w_ref, *refs, lay: Layout, W: int, block_v: int, has
   if lay.allow_neg_eigval:
     beta = 2.0 * beta
   decay = jnp.exp(g)[:, None]  # [1, 1]
-  os = []
+  outs = []
   for j in range(V // block_v):
     vs = pl.ds(j * block_v, block_v)
     v = conv(2 * H * K + h * V + j * block_v, block_v)
@@ -130,9 +130,9 @@ def _kernel(y_ref, win_ref, w_ref, *refs, lay: Layout, W: int, block_v: int, has
     u = beta * (v - jnp.sum(S * k[:, None], axis=0))
     S = S + k[:, None] * u[None, :]
     s_out_ref[:, vs] = S
-    os.append(rnd(jnp.sum(S * q[:, None], axis=0)))  # o in v's dtype, as the step returns it
-  r = jax.lax.rsqrt(sum(jnp.sum(o * o) for o in os) / V + lay.eps)
-  for j, o in enumerate(os):
+    outs.append(rnd(jnp.sum(S * q[:, None], axis=0)))  # o in v's dtype, as the step returns it
+  r = jax.lax.rsqrt(sum(jnp.sum(o * o) for o in outs) / V + lay.eps)
+  for j, o in enumerate(outs):
     vs = pl.ds(j * block_v, block_v)
     gate = y_ref[pl.ds(lay.gate + h * V + j * block_v, block_v)].astype(f32)
     o_ref[vs] = (rnd(o * r * nw_ref[vs].astype(f32)) * jax.nn.silu(gate)).astype(o_ref.dtype)
