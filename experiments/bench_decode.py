@@ -13,8 +13,8 @@ compute dtype inside the step, one matmul per projection); "lean" calls it on `g
 (weights stored in the compute dtype, the projections of one input fused into one matmul); "lean_unrolled" on
 `for_decoding(model, unroll=True)`, the same unrolled where the model is scanned; "lean_xla" and "lean_kernel" are
 "lean" with `gdn.ops.pallas_decode.DECODE_KERNEL` forced off and on (a recurrent layer's decode step after its
-fused projection as XLA's fusions, or as one Pallas kernel; "lean" takes the default: the kernel where Pallas
-compiles, on a GPU). All give the same logits.
+fused projection as XLA's fusions, or as one Pallas kernel; "lean" takes the switch's default, off until the
+kernel has been timed on a GPU). All give the same logits.
 `--scan-layers` builds the models with `scan_layers` (one layer body in a `lax.scan`).
 
 The floor (`gdn.bench.roofline.decode_floor_ms`): every weight read once per step (the lean model's parameter

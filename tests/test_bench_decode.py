@@ -35,7 +35,7 @@ def test_bench_decode_kernel_paths(capsys):
   lines = capsys.readouterr().out.splitlines()
   rows = [line for line in lines if line.startswith("| R | lean_")]
   assert [r.split(" | ")[1] for r in rows[:2]] == ["lean_xla", "lean_kernel"]
-  assert pallas_decode.DECODE_KERNEL is None
+  assert pallas_decode.DECODE_KERNEL is False
 
 
 def test_ops_per_iteration_counts_nested_loops_by_trip_count():

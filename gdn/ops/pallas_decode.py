@@ -48,8 +48,9 @@ from gdn.ops.pallas_common import default_interpret
 
 # The fused kernel in `RecurrentMixer`'s decode step (T == 1 with a cache, fused projections, the Gated DeltaNet
 # variant: `supports`): True, False, or None = where the Pallas kernels compile (not in the interpreter, whose
-# per-program loop would only slow CPU runs down). Read when the step is traced.
-DECODE_KERNEL: Optional[bool] = None
+# per-program loop would only slow CPU runs down). Read when the step is traced. False until the kernel has been
+# compiled and timed on a GPU (`experiments.bench_decode --paths lean_xla,lean_kernel`); then None.
+DECODE_KERNEL: Optional[bool] = False
 BLOCK_V = 64  # value channels per step of a program's loop: a [128, 64] float32 state block is 64 registers a thread
 NUM_WARPS = 4
 NUM_STAGES = 1
