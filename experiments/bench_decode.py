@@ -11,7 +11,10 @@ and, where the backend reports it, the device's bytes in use and peak).
 Decode paths (`--paths`): "plain" calls `decode_step` on the model as built (float32 parameters, cast to the
 compute dtype inside the step, one matmul per projection); "lean" calls it on `gdn.model.for_decoding(model)`
 (weights stored in the compute dtype, the projections of one input fused into one matmul); "lean_unrolled" on
-`for_decoding(model, unroll=True)`, the same unrolled where the model is scanned. All give the same logits.
+`for_decoding(model, unroll=True)`, the same unrolled where the model is scanned; "lean_xla" and "lean_kernel" are
+"lean" with `gdn.ops.pallas_decode.DECODE_KERNEL` forced off and on (a recurrent layer's decode step after its
+fused projection as XLA's fusions, or as one Pallas kernel; "lean" takes the switch's default, off until the
+kernel has been timed on a GPU). All give the same logits.
 `--scan-layers` builds the models with `scan_layers` (one layer body in a `lax.scan`).
 
 The floor (`gdn.bench.roofline.decode_floor_ms`): every weight read once per step (the lean model's parameter
@@ -34,11 +37,14 @@ follows the cache's capacity.
   python -m experiments.bench_decode --preset h200 --patterns R --paths plain,lean --batches 1,8,64 \
       --contexts 1024,65536
   python -m experiments.bench_decode --preset h200 --layers 24 --contexts 1024,131072
+  python -m experiments.bench_decode --preset h200 --patterns R --paths lean_xla,lean_kernel --batches 1,8,64 \
+      --contexts 1024
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import statistics
@@ -55,6 +61,7 @@ from gdn.config import AttentionConfig, ModelConfig, RecurrentConfig
 from gdn.layers import KVCache
 from gdn.memory import GiB, MiB, cache_bytes
 from gdn.model import LanguageModel, for_decoding
+from gdn.ops import pallas_decode
 
 PRESETS = {
     "cpu": dict(d_model=256, layers=4, heads=4, head_dim=64, vocab=256, dtype="float32",
@@ -65,7 +72,8 @@ PRESETS = {
                  contexts=[1024, 4096, 16384, 65536, 131072, 262144, 524288], steps=32, reps=5),
 }
 PATTERNS = ("R", "A", "RRRA")
-PATHS = ("plain", "lean", "lean_unrolled")
+PATHS = ("plain", "lean", "lean_unrolled", "lean_xla", "lean_kernel")
+DECODE_KERNEL = dict(lean_xla=False, lean_kernel=True)  # the paths that force `pallas_decode.DECODE_KERNEL`
 BLOCK = 1024  # the K/V fill tiles a random block of this many slots
 
 
@@ -124,6 +132,17 @@ def state_bytes(cache: tuple, context: int) -> int:
     else:
       total += 2 * nbytes(c)
   return total
+
+
+@contextlib.contextmanager
+def decode_kernel(path: str):
+  """`pallas_decode.DECODE_KERNEL` as the path asks while its programs are traced, restored after."""
+  before = pallas_decode.DECODE_KERNEL
+  pallas_decode.DECODE_KERNEL = DECODE_KERNEL.get(path, before)
+  try:
+    yield
+  finally:
+    pallas_decode.DECODE_KERNEL = before
 
 
 def bench(model, context: int, batch: int, a, programs: dict) -> dict:
@@ -211,7 +230,7 @@ def main(argv=None):
     lean = for_decoding(base)
     # The floor reads each weight once in the compute dtype: the lean model's bytes, whichever path is timed.
     a.weight_bytes = weights[pattern] = nbytes(nnx.state(lean, nnx.Param))
-    models = dict(plain=base, lean=lean)
+    models = dict(plain=base, lean=lean, lean_xla=lean, lean_kernel=lean)
     if "lean_unrolled" in paths:
       models["lean_unrolled"] = for_decoding(base, unroll=True) if cfg.scan_layers else lean
     for path in paths:
@@ -223,7 +242,8 @@ def main(argv=None):
             results[pattern, path, batch, n] = dict(error=f"skipped: cache {fmt_bytes(need)}")
             continue
           try:
-            results[pattern, path, batch, n] = bench(models[path], n, batch, a, programs)
+            with decode_kernel(path):
+              results[pattern, path, batch, n] = bench(models[path], n, batch, a, programs)
           except Exception as e:  # report and go on: an out-of-memory context must not hide the others
             results[pattern, path, batch, n] = dict(
                 error=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")

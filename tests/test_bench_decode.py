@@ -26,6 +26,18 @@ def test_bench_decode_table(capsys):
   assert all(ops[q, "lean_unrolled"] < ops[q, "lean"] for q in ("R", "RRRA"))  # no per-layer weight slices
 
 
+def test_bench_decode_kernel_paths(capsys):
+  """"lean_xla" and "lean_kernel" time the lean model with the fused decode kernel forced off and on (here in
+  Pallas' interpreter), and leave the switch as it was."""
+  from gdn.ops import pallas_decode
+
+  main(TINY[:-1] + ["8", "--patterns", "R", "--paths", "lean_xla,lean_kernel", "--batches", "1"])
+  lines = capsys.readouterr().out.splitlines()
+  rows = [line for line in lines if line.startswith("| R | lean_")]
+  assert [r.split(" | ")[1] for r in rows[:2]] == ["lean_xla", "lean_kernel"]
+  assert pallas_decode.DECODE_KERNEL is False
+
+
 def test_ops_per_iteration_counts_nested_loops_by_trip_count():
   def ops(n_inner):
     def f(x, w):

@@ -37,6 +37,15 @@ class FusedLinear(nnx.Module):
       self.bias = nnx.Param(jnp.concatenate([zero(l) if l.bias is None else l.bias[...] for l in ls], axis=-1))
 
   def __call__(self, x) -> dict:
+    return dict(zip(self.names, jnp.split(self.matmul(x), np.cumsum(self.sizes)[:-1].tolist(), axis=-1)))
+
+  def offsets(self) -> dict:
+    """{name: (first column, columns)} of each projection in `matmul`'s output."""
+    starts = np.cumsum((0,) + self.sizes[:-1]).tolist()
+    return {n: (o, s) for n, o, s in zip(self.names, starts, self.sizes)}
+
+  def matmul(self, x):
+    """All the columns unsplit, [..., N] (for a consumer that reads the pieces at their `offsets`)."""
     # nnx.Linear's computation, once for all the columns.
     kernel = self.kernel[...]
     bias = None if self.bias is None else self.bias[...]
@@ -45,7 +54,7 @@ class FusedLinear(nnx.Module):
     y = self.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision, **kw)
     if bias is not None:
       y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-    return dict(zip(self.names, jnp.split(y, np.cumsum(self.sizes)[:-1].tolist(), axis=-1)))
+    return y
 
 
 def project(module: nnx.Module, names: tuple, x) -> dict:

@@ -20,6 +20,7 @@ from gdn.layers.conv import ShortConv
 from gdn.layers.fused import fuse_projections, project
 from gdn.layers.norms import ACTIVATIONS, GatedRMSNorm, RMSNorm
 from gdn.layers.segments import check_mixer_call
+from gdn.ops import pallas_decode
 from gdn.ops.context_parallel import local_gated_delta_rule
 
 
@@ -144,17 +145,48 @@ class RecurrentMixer(nnx.Module):
     if context_axis is not None and cache is not None:
       raise ValueError("a recurrent cache cannot be combined with context_axis: decoding runs on one device")
     B, T, _ = x.shape
-    p = project(self, X_PROJECTIONS, x)
-    mix = functools.partial(self._mix, B=B, T=T, segment_ids=segment_ids, cache=cache, context_axis=context_axis)
-    if cfg.remat == "layer" and cache is None:
-      # Only the projections (this function's inputs) are kept; the rest runs again in the backward.
-      mix = jax.checkpoint(mix, policy=jax.checkpoint_policies.nothing_saveable)
-    o, conv_state, S = mix(p)
+    layout = self._decode_layout(cache, T, segment_ids)
+    if layout is not None:
+      o, conv_state, S = self._decode_fused(self.in_proj.matmul(x[:, 0]), cache, layout)
+    else:
+      p = project(self, X_PROJECTIONS, x)
+      mix = functools.partial(self._mix, B=B, T=T, segment_ids=segment_ids, cache=cache, context_axis=context_axis)
+      if cfg.remat == "layer" and cache is None:
+        # Only the projections (this function's inputs) are kept; the rest runs again in the backward.
+        mix = jax.checkpoint(mix, policy=jax.checkpoint_policies.nothing_saveable)
+      o, conv_state, S = mix(p)
     o = o.reshape(B, T, cfg.HV * cfg.V).astype(x.dtype)
     # Inference (a cache) never drops out, so decoding needs no rng and a training-mode model decodes too.
     o = self.dropout(o, deterministic=True) if cache is not None else self.dropout(o)
     y = self.o_proj(o)
     return y, (None if cache is None else RecurrentCache(conv_state, S))
+
+  def _decode_layout(self, cache, T, segment_ids) -> Optional[pallas_decode.Layout]:
+    """The fused decode kernel's layout where it runs this call, else None (the XLA path): a decode step (T == 1
+    with a cache) of a fused layer (`fuse`) of the Gated DeltaNet variant (short conv, l2 q/k norm, per-head
+    decay and beta, full-rank SiLU gate into the gated RMSNorm; GVA and allow_neg_eigval allowed) in 16/32-bit
+    floats, with `pallas_decode.DECODE_KERNEL` on and shapes the kernel takes. Read at trace time."""
+    cfg = self.cfg
+    if cache is None or T != 1 or segment_ids is not None or self.in_proj is None or not pallas_decode.enabled():
+      return None
+    offsets = self.in_proj.offsets()
+    if (tuple(offsets) != ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj") or self.conv is None
+        or cache.conv is None or cfg.decay != "head" or cfg.beta != "head" or cfg.qk_norm != "l2"
+        or not isinstance(self.o_norm, GatedRMSNorm) or self.o_norm.activation != "silu"
+        or jnp.dtype(self.dtype).itemsize > 4):
+      return None
+    layout = pallas_decode.Layout(H=cfg.num_heads, HV=cfg.HV, K=cfg.head_dim, V=cfg.V, a=offsets["a_proj"][0],
+                                  b=offsets["b_proj"][0], gate=offsets["g_proj"][0], eps=self.o_norm.eps,
+                                  allow_neg_eigval=cfg.allow_neg_eigval)
+    return layout if pallas_decode.supports(layout, self.conv.size) else None
+
+  def _decode_fused(self, y, cache: RecurrentCache, layout):
+    """`_mix`'s results for one token through the fused decode kernel, from the fused projection's row y [B, N]."""
+    conv = self.conv
+    o, S, window = pallas_decode.fused_step(
+        y, cache.conv, conv.weight[...].astype(y.dtype), None if conv.bias is None else conv.bias[...].astype(y.dtype),
+        self.A_log[...], self.dt_bias[...], cache.S, self.o_norm.weight[...], layout=layout)
+    return o[:, None], window, S
 
   def _mix(self, p, *, B, T, segment_ids, cache, context_axis):
     """From the projections p of x to the normed, gated op output o [B, T, HV, V]: (o, conv state, S)."""
