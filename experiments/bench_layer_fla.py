@@ -9,6 +9,7 @@ the process's. Rows keep the tokens per batch fixed (B = tokens // T).
 
   python -m experiments.bench_layer_fla                                   # the H200 shapes, gdn method auto
   python -m experiments.bench_layer_fla --lengths 8192 --method pallas
+  python -m experiments.bench_layer_fla --lengths 8192 --method pallas --remats none,op,layer   # a row each
   python -m experiments.bench_layer_fla --preset cpu --sides gdn          # a CPU smoke run (fla needs CUDA)
 
 fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (a numerics guard); for timing only the
@@ -30,7 +31,7 @@ PRESETS = {
 }
 
 
-def gdn_side(a, T: int) -> dict:
+def gdn_side(a, T: int, remat: str = "none") -> dict:
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -39,7 +40,8 @@ def gdn_side(a, T: int) -> dict:
   from gdn.config import recurrent_preset
   from gdn.layers.recurrent import RecurrentMixer
 
-  cfg = recurrent_preset("gated_deltanet", num_heads=a.heads, head_dim=a.head_dim, method=a.method)
+  cfg = recurrent_preset("gated_deltanet", num_heads=a.heads, head_dim=a.head_dim, method=a.method,
+                          remat=remat)
   graphdef, params, rest = nnx.split(RecurrentMixer(cfg, a.d_model, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
                                      nnx.Param, ...)
 
@@ -54,7 +56,8 @@ def gdn_side(a, T: int) -> dict:
   return dict(ms=ms, peak=peak, estimate=compiled_bytes(compiled))
 
 
-def fla_side(a, T: int) -> dict:
+def fla_side(a, T: int, remat: str = "none") -> dict:
+  del remat  # gdn's switch
   import torch
   import fla.ops.common.chunk_o as chunk_o
   from fla.layers import GatedDeltaNet
@@ -85,15 +88,16 @@ def parse_args(argv=None):
     p.add_argument(f"--{name}", type=int, help="override the preset")
   p.add_argument("--lengths", help="comma-separated sequence lengths T (override the preset)")
   p.add_argument("--method", default="auto", help="gdn's op method")
+  p.add_argument("--remats", default="none", help="comma-separated RecurrentConfig.remat values for gdn (one row each)")
   p.add_argument("--sides", nargs="*", default=["gdn", "fla"], choices=sorted(SIDES))
-  p.add_argument("--worker", nargs=2, metavar=("SIDE", "T"), help=argparse.SUPPRESS)
+  p.add_argument("--worker", nargs=3, metavar=("SIDE", "T", "REMAT"), help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   return apply_preset(a, PRESETS[a.preset], "lengths")
 
 
-def measure(side: str, T: int, argv) -> dict:
-  """One (side, T) in a fresh process; its result, or the last line of its error."""
-  cmd = [sys.executable, "-m", "experiments.bench_layer_fla", *argv, "--worker", side, str(T)]
+def measure(side: str, T: int, remat: str, argv) -> dict:
+  """One (side, T, gdn remat) in a fresh process; its result, or the last line of its error."""
+  cmd = [sys.executable, "-m", "experiments.bench_layer_fla", *argv, "--worker", side, str(T), remat]
   p = subprocess.run(cmd, capture_output=True, text=True)
   lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
   if lines:
@@ -105,23 +109,25 @@ def main(argv=None) -> list:
   argv = list(sys.argv[1:] if argv is None else argv)
   a = parse_args(argv)
   if a.worker:
-    side, T = a.worker
-    print("RESULT " + json.dumps(SIDES[side](a, int(T))), flush=True)
+    side, T, remat = a.worker
+    print("RESULT " + json.dumps(SIDES[side](a, int(T), remat)), flush=True)
     return []
   gib = lambda r: f"{r['peak'] / 2**30:.2f}" if r.get("peak") else "-"
   ms = lambda r: f"{r['ms']:.2f}" if "ms" in r else r.get("error", "-")
   print(f"# one Gated DeltaNet layer, fwd+bwd: d_model {a.d_model}, {a.heads} heads x {a.head_dim}, {a.tokens} "
         f"tokens a batch, bfloat16 activations, float32 parameters; gdn method {a.method}; median of {a.reps}")
-  print("| T | B | gdn ms | fla ms | gdn / fla | gdn peak GiB | fla peak GiB | gdn XLA estimate GiB |")
-  print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+  print("| T | B | gdn remat | gdn ms | fla ms | gdn / fla | gdn peak GiB | fla peak GiB | gdn XLA estimate GiB |")
+  print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
   rows = []
   for T in a.lengths:
-    r = {side: measure(side, T, argv) if side in a.sides else {} for side in SIDES}
-    g, f = r["gdn"], r["fla"]
-    ratio = f"{g['ms'] / f['ms']:.2f}x" if "ms" in g and "ms" in f else "-"
-    est = f"{g['estimate'] / 2**30:.2f}" if g.get("estimate") else "-"
-    print(f"| {T} | {a.tokens // T} | {ms(g)} | {ms(f)} | {ratio} | {gib(g)} | {gib(f)} | {est} |", flush=True)
-    rows.append(dict(T=T, **{f"{s}_{k}": v for s in r for k, v in r[s].items()}))
+    f = measure("fla", T, "none", argv) if "fla" in a.sides else {}
+    for remat in a.remats.split(","):
+      g = measure("gdn", T, remat, argv) if "gdn" in a.sides else {}
+      ratio = f"{g['ms'] / f['ms']:.2f}x" if "ms" in g and "ms" in f else "-"
+      est = f"{g['estimate'] / 2**30:.2f}" if g.get("estimate") else "-"
+      print(f"| {T} | {a.tokens // T} | {remat} | {ms(g)} | {ms(f)} | {ratio} | {gib(g)} | {gib(f)} | {est} |",
+            flush=True)
+      rows.append(dict(T=T, remat=remat, **{f"{s}_{k}": v for s, r in (("gdn", g), ("fla", f)) for k, v in r.items()}))
   return rows
 
 

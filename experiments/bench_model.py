@@ -26,7 +26,9 @@ FLOP of `gdn.bench.model_flops.train_flops_per_token` (6 N for the matmuls plus 
 delta-rule mixing, the same count for both); peak GiB is the allocator's peak (PyTorch's
 max_memory_allocated, JAX's peak_bytes_in_use; never reset in JAX, so in --depths mode it is the largest so
 far); XLA GiB is XLA's estimate for the compiled step (arguments + outputs + temporaries - donated). The
-batches are random tokens (the work does not depend on them).
+batches are random tokens (the work does not depend on them); every step repeats one batch, and both sides
+follow the config's schedule (fla through a LambdaLR on gdn's `lr_shape`), so "loss", the last step's, compares
+like with like: about ln(vocab) while the warm-up keeps the rate near zero.
 """
 
 from __future__ import annotations
@@ -89,8 +91,9 @@ def run_gdn(cfg, toks, a) -> dict:
   from gdn.train import optimizer, step
 
   tx = optimizer.make_optimizer(cfg.train)
-  graphdef, _ = jax.eval_shape(lambda: step.init(cfg.model, tx, cfg.seed))
-  state = jax.jit(lambda: step.init(cfg.model, tx, cfg.seed)[1])()
+  # Eager, as gdn-train initialises: a jitted init is one program over every layer (the layers are built one
+  # by one, so that both layouts get the same parameters), and at 48 layers XLA took 2.5 min to compile it.
+  graphdef, state = step.init(cfg.model, tx, cfg.seed)
   batch = jax.device_put(dict(inputs=toks[:, :-1], targets=toks[:, 1:],
                               weights=np.ones(toks[:, 1:].shape, np.float32)))
   t0 = time.perf_counter()
@@ -154,6 +157,11 @@ def run_fla(cfg, toks, a) -> dict:
   t = cfg.train
   opt = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, betas=(t.b1, t.b2), eps=t.eps,
                           weight_decay=t.weight_decay, fused=True)
+  # gdn's schedule (warm-up, cosine) as a factor on fla's rate, so that both sides take the same steps and the
+  # loss column compares like with like (both train on the one batch that every step repeats).
+  from gdn.train.optimizer import lr_shape
+  shape = lr_shape(t)
+  sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: float(shape(step)))
   ids = torch.from_numpy(toks[:, :-1]).long().cuda()
   held = {}
 
@@ -163,6 +171,7 @@ def run_fla(cfg, toks, a) -> dict:
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
     opt.step()
+    sched.step()
     opt.zero_grad(set_to_none=True)
     held["loss"] = loss
 

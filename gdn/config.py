@@ -22,6 +22,7 @@ QK_NORMS = ("none", "l2")
 LAYER_KINDS = {"R": "recurrent", "M": "mamba2", "A": "attention", "W": "sliding_window"}
 MLP_KINDS = {"D": "dense", "M": "moe"}
 REMATS = ("none", "dots", "full")
+MIXER_REMATS = ("none", "op", "layer")
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -65,6 +66,10 @@ class RecurrentConfig:
   norm_eps: float = 1e-6  # output RMSNorm (the seed's nn.RMSNorm(head_dim, eps=1e-6))
   method: str = "auto"
   chunk_size: int = 64
+  # What the mixer's backward keeps (training without a cache; `RecurrentMixer`): "none" every intermediate;
+  # "op" only the op's inputs q, k, v, g, beta (its chunk-local work and states run again in the backward);
+  # "layer" only the projections of x: short conv, SiLU, l2norm, gates, the op and the output norm run again.
+  remat: str = "none"
 
   def __post_init__(self):
     _positive("num_heads", self.num_heads)
@@ -80,6 +85,7 @@ class RecurrentConfig:
     _choice("qk_norm", self.qk_norm, QK_NORMS)
     _choice("dt_init", self.dt_init, ("fla", "seed"))
     _choice("method", self.method, checks.METHODS)
+    _choice("remat", self.remat, MIXER_REMATS)
     _positive("decay_low_rank", self.decay_low_rank)
     if self.output_gate_rank is not None:
       _positive("output_gate_rank", self.output_gate_rank)

@@ -35,6 +35,7 @@ def test_bench_layer_fla_gdn_side_on_cpu(capsys):
   row = [line for line in out.splitlines() if line.startswith("| 128 |")]
   assert len(row) == 1, out
   cells = [c.strip() for c in row[0].strip("|").split("|")]
-  assert float(cells[2]) > 0 and cells[3] == "-" and cells[4] == "-", cells  # gdn ms; no fla ms, no ratio
-  assert float(cells[7]) >= 0 and rows[0]["gdn_estimate"] > 0  # XLA's estimate (the CPU has no allocator peak)
+  assert cells[2] == "none" and rows[0]["remat"] == "none", cells  # RecurrentConfig.remat's default
+  assert float(cells[3]) > 0 and cells[4] == "-" and cells[5] == "-", cells  # gdn ms; no fla ms, no ratio
+  assert float(cells[8]) >= 0 and rows[0]["gdn_estimate"] > 0  # XLA's estimate (the CPU has no allocator peak)
   assert rows[0]["gdn_ms"] > 0 and "fla_ms" not in rows[0]

@@ -6,6 +6,7 @@ K key dim, V value dim, W conv size, R rank.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -143,9 +144,22 @@ class RecurrentMixer(nnx.Module):
     if context_axis is not None and cache is not None:
       raise ValueError("a recurrent cache cannot be combined with context_axis: decoding runs on one device")
     B, T, _ = x.shape
-    H, HV, K, V = cfg.num_heads, cfg.HV, cfg.head_dim, cfg.V
-
     p = project(self, X_PROJECTIONS, x)
+    mix = functools.partial(self._mix, B=B, T=T, segment_ids=segment_ids, cache=cache, context_axis=context_axis)
+    if cfg.remat == "layer" and cache is None:
+      # Only the projections (this function's inputs) are kept; the rest runs again in the backward.
+      mix = jax.checkpoint(mix, policy=jax.checkpoint_policies.nothing_saveable)
+    o, conv_state, S = mix(p)
+    o = o.reshape(B, T, cfg.HV * cfg.V).astype(x.dtype)
+    # Inference (a cache) never drops out, so decoding needs no rng and a training-mode model decodes too.
+    o = self.dropout(o, deterministic=True) if cache is not None else self.dropout(o)
+    y = self.o_proj(o)
+    return y, (None if cache is None else RecurrentCache(conv_state, S))
+
+  def _mix(self, p, *, B, T, segment_ids, cache, context_axis):
+    """From the projections p of x to the normed, gated op output o [B, T, HV, V]: (o, conv state, S)."""
+    cfg = self.cfg
+    H, HV, K, V = cfg.num_heads, cfg.HV, cfg.head_dim, cfg.V
     q, k, v = p["q_proj"], p["k_proj"], p["v_proj"]
     conv_state = None
     if self.conv is not None:
@@ -173,14 +187,19 @@ class RecurrentMixer(nnx.Module):
       at0 = lambda a: None if a is None else a[:, 0]
       o, S = ops.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], at0(g), at0(beta), state=S0, scale=1.0)
       o = o[:, None]
-    elif context_axis is not None:
-      # The token scan has no slice map: "auto" and "recurrent" run the chunk form across devices.
-      method = cfg.method if cfg.method in ("chunk", "associative") else "chunk"
-      o, S = local_gated_delta_rule(q, k, v, g, beta, axis_name=context_axis, scale=1.0, segment_ids=segment_ids,
-                                    method=method, chunk_size=cfg.chunk_size)
     else:
-      o, S = ops.gated_delta_rule(q, k, v, g, beta, scale=1.0, initial_state=S0, segment_ids=segment_ids,
-                                  method=cfg.method, chunk_size=cfg.chunk_size)
+      if context_axis is not None:
+        # The token scan has no slice map: "auto" and "recurrent" run the chunk form across devices.
+        method = cfg.method if cfg.method in ("chunk", "associative") else "chunk"
+        op = functools.partial(local_gated_delta_rule, axis_name=context_axis, scale=1.0, segment_ids=segment_ids,
+                               method=method, chunk_size=cfg.chunk_size)
+      else:
+        op = functools.partial(ops.gated_delta_rule, scale=1.0, initial_state=S0, segment_ids=segment_ids,
+                               method=cfg.method, chunk_size=cfg.chunk_size)
+      if cfg.remat == "op" and cache is None:
+        # Only the op's inputs are kept; its chunk-local work and chunk states run again in the backward.
+        op = jax.checkpoint(op, policy=jax.checkpoint_policies.nothing_saveable)
+      o, S = op(q, k, v, g, beta)
 
     gate = self._output_gate(p)
     gate = None if gate is None else gate.reshape(B, T, HV, V)
@@ -191,11 +210,7 @@ class RecurrentMixer(nnx.Module):
         o = self.o_norm(o)
       if gate is not None:
         o = (o.astype(jnp.float32) * ACTIVATIONS[cfg.output_gate](gate.astype(jnp.float32))).astype(o.dtype)
-    o = o.reshape(B, T, HV * V).astype(x.dtype)
-    # Inference (a cache) never drops out, so decoding needs no rng and a training-mode model decodes too.
-    o = self.dropout(o, deterministic=True) if cache is not None else self.dropout(o)
-    y = self.o_proj(o)
-    return y, (None if cache is None else RecurrentCache(conv_state, S))
+    return o, conv_state, S
 
   def _output_gate(self, p):
     """The output gate's pre-activation [B, T, HV*V] from the projections p of x, full rank or through

@@ -108,8 +108,10 @@ def isolate_segments(run):
   return isolated
 
 
-def prepare(q, k, v, g, beta, *, scale, segment_ids, dims: checks.Dims, chunk_size: int, solver="blocked"):
-  """Pad, chunk and compute the chunk-local quantities. Returns (Local, v_chunks, beta_chunks, N, cdt, prec)."""
+def prepare(q, k, v, g, beta, *, scale, segment_ids, dims: checks.Dims, chunk_size: int, solver="blocked",
+            local=intra_chunk.local):
+  """Pad, chunk and compute the chunk-local quantities with `local` (`intra_chunk.local` or a function of its
+  signature, such as `pallas_local.local`). Returns (Local, v_chunks, beta_chunks, N, cdt, prec)."""
   B, T, HV = dims.B, dims.T, dims.HV
   C = chunk_size
   N = -(-T // C)
@@ -128,8 +130,8 @@ def prepare(q, k, v, g, beta, *, scale, segment_ids, dims: checks.Dims, chunk_si
   lead = (B, HV, N)
   flat = lambda x: None if x is None else jnp.broadcast_to(x, lead + x.shape[3:]).reshape((-1,) + x.shape[3:])
   masks = None if masks is None else tuple(map(flat, masks))
-  loc = intra_chunk.local(flat(qc), flat(kc), flat(vc), flat(gc), flat(bc), masks, beta_kind=dims.beta_kind,
-                          prec=prec, solver=solver)
+  loc = local(flat(qc), flat(kc), flat(vc), flat(gc), flat(bc), masks, beta_kind=dims.beta_kind, prec=prec,
+              solver=solver)
   loc = jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), loc)
   return loc, vc, bc, N, cdt, prec
 

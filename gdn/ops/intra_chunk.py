@@ -33,11 +33,11 @@ SUB_CHUNK = 16
 class Local:
   """What the chunk-to-chunk recurrence and the output need, per chunk: [L, ...] (or [B, HV, N, ...])."""
   q_dec: jax.Array  # [.., C, K] scale * q_t * e^{gamma_t}, zero where a reset cut it from the entering state
-  k_dec: jax.Array  # [.., C, K] k_t * e^{gamma_t}, likewise masked
+  k_dec: Optional[jax.Array]  # [.., C, K] k_t * e^{gamma_t}, likewise masked (None from pallas_local)
   k_end: jax.Array  # [.., C, K] k_i * e^{gamma_C - gamma_i}, zero unless i reaches the chunk end
   decay: jax.Array  # [.., 1 or K] e^{gamma_C}, zero if the chunk holds a reset
   P: jax.Array  # [.., C, C] intra-chunk output weights (lower triangular, diagonal included)
-  A: Optional[jax.Array]  # [.., C, C] strictly lower A (None without delta rule)
+  A: Optional[jax.Array]  # [.., C, C] strictly lower A (None without delta rule, and from pallas_local)
   W: Optional[jax.Array]  # [.., C, K] (per-head beta only)
   U: jax.Array  # [.., C, V] Unew (per-head beta), v (no beta), v (per-channel beta: solved later)
 

@@ -37,14 +37,21 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gdn.ops import checks, intra_chunk
+from gdn.ops import checks, intra_chunk, pallas_local
 from gdn.ops.chunk import finish, initial, isolate_segments, prepare
+from gdn.ops.pallas_common import default_interpret, kernel_precision
+from gdn.ops.pallas_common import pow2 as _pow2
 
 BLOCK_V = 64  # value channels per program: a [128, 64] float32 state is 64 registers a thread at 4 warps
 # bfloat16 callers (DEFAULT precision) get bfloat16 operands in HBM (U0, W, k_end, and the S_in and U the
 # forward writes): the forward state pass is bound by these bytes. The state and all accumulation stay float32.
 BF16_OPERANDS = True
 BWD_STAGES_BF16 = 2  # pipeline stages of the backward kernel on bfloat16 operands (float32 ones fit only one)
+# The chunk-local work (`chunk.prepare`) as the fused Pallas kernel of `pallas_local` (per-head decay and beta
+# without segments; other variants stay in XLA) in forward-only calls: True, False, or None = where the Pallas
+# kernels compile (not in the interpreter, whose per-program loop would only slow CPU runs down). On the H200 it
+# took the op's forward from 1.03 to 0.76 ms at (4, 2048, 16, 128) (docs/benchmarks.md).
+FUSED_LOCAL: Optional[bool] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +62,6 @@ class Config:
   interpret: bool
   delta: bool  # False without the delta rule (no W): then U = U0 and the kernels skip its matmul
   operands: str = "float32"  # dtype of U0, W, k_end, S_in and U in memory (the state is always float32)
-
-
-def _pow2(n: int, least: int = 16) -> int:
-  """Triton needs power-of-two block shapes, and at least 16 along every dot dimension."""
-  return max(least, 1 << max(0, n - 1).bit_length())
 
 
 def _dot(a, b, ta: bool, tb: bool, prec):
@@ -281,21 +283,6 @@ def _state_pass_bwd(cfg, res, cts):
 _state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
 
 
-def default_interpret() -> bool:
-  """Compiled Triton kernels on a GPU backend; Pallas' interpreter elsewhere (CPU CI runs the same kernels)."""
-  return jax.default_backend() != "gpu"
-
-
-def kernel_precision(prec, interpret: bool):
-  """The dot precision inside the kernels. Compiled, a float32 caller's HIGHEST becomes 3xTF32 (three TF32
-  tensor-core products, float32 accumulation, about float32 accuracy): Triton lowers HIGHEST to IEEE float32
-  dots without tensor cores, which spill heavily at K = 128. DEFAULT (bfloat16 callers) is one TF32 product,
-  as XLA does it. The interpreter keeps `prec`: XLA:CPU has no TF32 algorithms."""
-  if not interpret and prec == jax.lax.Precision.HIGHEST:
-    return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-  return prec
-
-
 def state_pass(loc: intra_chunk.Local, S0, prec, *, block_v: int = BLOCK_V, interpret: Optional[bool] = None):
   """The chunk-to-chunk recurrence of `chunk.scan_chunks` (per-head or no beta) as a Pallas kernel.
 
@@ -307,7 +294,7 @@ def state_pass(loc: intra_chunk.Local, S0, prec, *, block_v: int = BLOCK_V, inte
   Returns:
     S_T [B, HV, K, V], S_in [B, HV, N, K, V] and U [B, HV, N, C, V], as `chunk.scan_chunks`.
   """
-  delta = loc.A is not None
+  delta = loc.A is not None or loc.W is not None  # the fused chunk-local kernel returns W without A
   if delta and loc.W is None:
     raise ValueError("the Pallas state pass needs loc.W (per-head beta); per-value-channel beta has none")
   C, V = loc.U.shape[-2:]
@@ -338,16 +325,20 @@ def state_pass(loc: intra_chunk.Local, S0, prec, *, block_v: int = BLOCK_V, inte
 
 def pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.Dims, chunk_size: int,
            block_v: int = BLOCK_V, interpret: Optional[bool] = None):
-  """`method="pallas"`: `chunk` with its sequential chunk scan replaced by the Pallas kernels. Declines
-  per-value-channel beta (its write vectors need a solve per value channel inside the scan)."""
+  """`method="pallas"`: `chunk` with its sequential chunk scan replaced by the Pallas kernels, and with
+  `FUSED_LOCAL` its chunk-local work by `pallas_local`'s kernel. Declines per-value-channel beta (its write
+  vectors need a solve per value channel inside the scan)."""
   if dims.beta_kind == "channel":
     raise ValueError("method='pallas' does not support per-value-channel beta ([B, T, HV, V]); "
                      "use method='chunk' or 'recurrent', or a per-head beta [B, T, HV]")
   chunk_size = min(chunk_size, dims.T)
 
   def run(q, k, v, g, beta, initial_state, segment_ids):
+    interp = default_interpret() if interpret is None else interpret
+    fused = (not interp) if FUSED_LOCAL is None else FUSED_LOCAL
+    local = functools.partial(pallas_local.local, interpret=interpret) if fused else intra_chunk.local
     loc, _, _, _, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
-                                      chunk_size=chunk_size)
+                                      chunk_size=chunk_size, local=local)
     S_T, S_in, U = state_pass(loc, initial(initial_state, dims, cdt), prec, block_v=block_v, interpret=interpret)
     return finish(loc, S_in, U, prec, dims, chunk_size), S_T.astype(cdt)
 

@@ -1,0 +1,157 @@
+"""The fused chunk-local Pallas kernel (`gdn.ops.pallas_local`) against the XLA chunk-local stage
+(`intra_chunk.local`), alone and inside `method="pallas"` (switch `pallas_chunk.FUSED_LOCAL` off / on).
+
+(a) accuracy: max relative error of each field against `intra_chunk.local`, float32 and bfloat16, at one shape;
+(b) time: median ms of the chunk-local stage (forward) and of the whole op (forward, forward+backward) per shape.
+Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head decay and beta; a failing variant prints its error's
+last line and the rest go on.
+
+  python -m experiments.bench_local                       # the five issue-13 shapes, bfloat16
+  python -m experiments.bench_local --shapes 1,512,2,64 --check-shape 1,512,2,64 --reps 2   # a quick run
+"""
+
+from __future__ import annotations
+
+import argparse
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gdn.bench.op_inputs import PRESETS, inputs
+from gdn.bench.timing import timed
+from gdn.ops import checks, chunk, gated_delta_rule, intra_chunk, pallas_chunk, pallas_local
+
+FIELDS = ("q_dec", "k_end", "decay", "P", "W", "U")
+
+
+def chunk_args(shape, dtype, chunk_size=64):
+  """The flat per-chunk inputs [L, C, ...] that `chunk.prepare` hands to the chunk-local stage (q scaled, in the
+  operand dtype; g, beta float32), built from the op benchmark's inputs, and the caller's precision."""
+  args, _ = inputs(shape, dtype)
+  dims = checks.check_sequence(*args, None, None, None, "chunk", chunk_size)
+  seen = {}
+
+  def capture(*x, **kw):  # prepare's call of the chunk-local stage: keep its inputs (the rest is dead code)
+    seen["x"] = x[:5]
+    return intra_chunk.local(*x, **kw)
+
+  def flat(*a):
+    chunk.prepare(*a, scale=dims.K**-0.5, segment_ids=None, dims=dims, chunk_size=chunk_size, local=capture)
+    return seen["x"]
+
+  return jax.jit(flat)(*args), chunk.precision_for(dtype)
+
+
+def fields(loc):
+  return tuple(getattr(loc, n) for n in FIELDS)
+
+
+def check(shape):
+  print(f"## accuracy against intra_chunk.local at B, T, H, D = {shape}: max |got - want| / max |want|")
+  print("| dtype | " + " | ".join(FIELDS) + " |")
+  print("|---|" + "---|" * len(FIELDS))
+  for dtype in (jnp.float32, jnp.bfloat16):
+    try:
+      x, prec = chunk_args(shape, dtype)
+      kw = dict(beta_kind="head", prec=prec)
+      want = jax.jit(lambda *a: fields(intra_chunk.local(*a, None, **kw)))(*x)
+      got = jax.jit(lambda *a: fields(pallas_local.local(*a, None, **kw)))(*x)
+      errs = []
+      for a, b in zip(got, want):
+        a, b = np.asarray(a.astype(jnp.float32), np.float64), np.asarray(b.astype(jnp.float32), np.float64)
+        errs.append(f"{np.abs(a - b).max() / max(np.abs(b).max(), 1e-30):.2e}")
+      print(f"| {jnp.dtype(dtype).name} | " + " | ".join(errs) + " |", flush=True)
+    except Exception as e:  # report and go on
+      print(f"| {jnp.dtype(dtype).name} | failed: {_last_line(e)} |", flush=True)
+
+
+def _last_line(e):
+  lines = [l for l in "".join(traceback.format_exception_only(type(e), e)).strip().splitlines() if l.strip()]
+  return lines[-1][:200] if lines else type(e).__name__
+
+
+def op_fn(fused: bool):
+  """`gated_delta_rule(method="pallas")` traced with FUSED_LOCAL set as asked (read at trace time)."""
+
+  def f(q, k, v, g, b):
+    old = pallas_chunk.FUSED_LOCAL
+    pallas_chunk.FUSED_LOCAL = fused
+    try:
+      return gated_delta_rule(q, k, v, g, b, method="pallas", chunk_size=64)[0]
+    finally:
+      pallas_chunk.FUSED_LOCAL = old
+
+  return f
+
+
+def time_shape(shape, dtype, reps):
+  """{variant: ms or error line}."""
+  row = {}
+
+  def run(name, thunk):
+    try:
+      row[name] = f"{thunk():.2f}"
+    except Exception as e:  # one failing variant must not hide the others
+      row[name] = f"failed: {_last_line(e)}"
+    print(f"  {shape} {name}: {row[name]}", flush=True)
+
+  x, prec = chunk_args(shape, dtype)
+  kw = dict(beta_kind="head", prec=prec)
+  run("local xla", lambda: timed(jax.jit(lambda *a: fields(intra_chunk.local(*a, None, **kw))), x, reps))
+  run("local pallas", lambda: timed(jax.jit(lambda *a: fields(pallas_local.local(*a, None, **kw))), x, reps))
+  args, rng = inputs(shape, dtype)
+  do = jnp.asarray(rng.normal(size=args[2].shape), dtype)
+  for fused in (False, True):
+    f = op_fn(fused)
+
+    def fwd_bwd(*a, f=f):
+      _, vjp = jax.vjp(f, *a)
+      return vjp(do)
+
+    tag = "on" if fused else "off"
+    run(f"op fwd {tag}", lambda: timed(jax.jit(f), args, reps))
+    run(f"op fwd+bwd {tag}", lambda: timed(jax.jit(fwd_bwd), args, reps))
+  return row
+
+
+COLUMNS = ("local xla", "local pallas", "op fwd off", "op fwd on", "op fwd+bwd off", "op fwd+bwd on")
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+  p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--shapes", nargs="*", help="B,T,H,D each; default: the h200 preset's five")
+  p.add_argument("--check-shape", default="4,4096,16,128", help="B,T,H,D of the accuracy check ('' skips it)")
+  p.add_argument("--block-k", type=int, default=pallas_local.BLOCK_K, help="pallas_local.BLOCK_K")
+  p.add_argument("--block-v", type=int, default=pallas_local.BLOCK_V, help="pallas_local.BLOCK_V")
+  p.add_argument("--num-warps", type=int, default=pallas_local.NUM_WARPS, help="pallas_local.NUM_WARPS")
+  p.add_argument("--num-stages", type=int, default=pallas_local.NUM_STAGES, help="pallas_local.NUM_STAGES")
+  a = p.parse_args(argv)
+  pallas_local.BLOCK_K, pallas_local.BLOCK_V = a.block_k, a.block_v
+  pallas_local.NUM_WARPS, pallas_local.NUM_STAGES = a.num_warps, a.num_stages
+  print(f"# chunk-local stage: XLA vs fused Pallas, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+        f"chunk 64, median of {a.reps}; FUSED_LOCAL default {pallas_chunk.FUSED_LOCAL}; kernel block_k {a.block_k}, "
+        f"block_v {a.block_v}, {a.num_warps} warps, {a.num_stages} stages")
+  if a.check_shape:
+    check(tuple(map(int, a.check_shape.split(","))))
+  shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else PRESETS["h200"]["shapes"]
+  dtype = jnp.dtype(a.dtype)
+  rows = []
+  for shape in shapes:
+    rows.append((shape, time_shape(shape, dtype, a.reps)))
+  print(f"## median ms, {a.dtype}: chunk-local stage forward (XLA, Pallas), whole op method='pallas' with "
+        "FUSED_LOCAL off / on")
+  print("| B, T, H, D | " + " | ".join(COLUMNS) + " | local speedup | fwd+bwd speedup |")
+  print("|---|" + "---|" * (len(COLUMNS) + 2))
+  for shape, row in rows:
+    ratio = lambda x, y: (f"{float(row[x]) / float(row[y]):.2f}x"
+                          if all(not row.get(n, "f").startswith("f") for n in (x, y)) else "-")
+    print(f"| {', '.join(map(str, shape))} | " + " | ".join(row.get(c, "-") for c in COLUMNS)
+          + f" | {ratio('local xla', 'local pallas')} | {ratio('op fwd+bwd off', 'op fwd+bwd on')} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,217 @@
+"""The chunk-local work of the chunkwise gated delta rule (`intra_chunk.local`) as one fused Pallas kernel, for a
+per-head decay and a per-head beta (Gated DeltaNet); everything else goes to the XLA reference.
+
+Shapes: L chunks (B * HV * N, one flat axis), C chunk size, K key dim, V value dim; Cp, Kp, Vp the padded C, K,
+V (powers of two, at least 16); BK, BV the key and value channels one step of a program's loops reads; c = 16
+the sub-chunk of the triangular inverse, M = Cp / c.
+
+One program per chunk (grid (L,)), all chunks in parallel, as fla's chunk_scaled_dot_kkt + solve_tril +
+recompute_w_u in one kernel. With g the chunk's log-decays [C] and beta [C]:
+
+  1. gamma_t = sum_{j <= t} g_j, to_end_i = sum_{j > i} g_j and D_ti = sum_{i < j <= t} g_j, each a sum of the
+     log-decays over the span it covers (a cumulative sum over a masked [Cp, Cp]), exactly as `intra_chunk`
+     does it: never a difference of two cumulative sums, which loses all precision after a strong decay.
+  2. KK = k k^T and QK = q k^T over K blocks; A = strictly-lower(KK e^D), P = lower(QK e^D).
+  3. T = (I + Diag(beta) A)^{-1}: forward substitution inside the M diagonal c x c blocks, all M at once as
+     one [M, c, c] array (fla's solve_tril), then merging pairs of blocks, [[X, 0], [Y, Z]]^{-1} =
+     [[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]], as T <- T - T Y T with Y the masked sub-diagonal blocks (two [Cp, Cp]
+     matmul pairs at C = 64), as `intra_chunk.invert_unit_lower`.
+  4. W = T Diag(beta) k_dec and U = T Diag(beta) v over K and V blocks; q_dec and k_end on the way.
+
+It returns the fields of `intra_chunk.Local` that the Pallas state pass and `chunk.finish` read (q_dec, k_end,
+decay, P, W, U); k_dec and A are None. decay is computed in XLA (one exp per chunk).
+
+Dots: the inputs' dtype for k k^T and q k^T (bfloat16 operands for bfloat16 callers), float32 operands for the
+inverse and W, U (its entries are float32 values), all accumulated in float32, at `pallas_common.kernel_precision`
+of the caller's precision: one TF32 pass on float32 operands for bfloat16 callers, as XLA's DEFAULT does it, and
+3xTF32 for float32 callers. The elementwise work (decays, forward substitution) is float32.
+
+Gradients: `jax.custom_vjp` whose forward rule, run when the op is differentiated, is the XLA reference's
+(`intra_chunk.local` on the same inputs) with its VJP as residual, so only forward-only calls (evaluation,
+prefill, generation) run the kernel. On the H200 the first version, kernel forward then the reference
+recomputed in the backward, cost 2-4% more in forward+backward than XLA alone (docs/benchmarks.md); a training
+step now runs exactly the XLA program.
+
+Triton constraints the kernel keeps (Pallas' interpreter checks none of them): power-of-two blocks, at least 16
+along every dot dimension, 2-D dots, static slices of refs only, no slicing of loaded values (blocks are
+picked with iota masks, `jnp.where` and reductions), no data-dependent Python control flow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from gdn.ops import intra_chunk
+from gdn.ops.pallas_common import default_interpret, kernel_precision, pow2
+
+SUB = 16  # rows of the diagonal blocks inverted by forward substitution (Triton's smallest dot)
+# Key and value channels per step of the K and V loops, and warps: at K = V = 128, bfloat16, C = 64, Triton 3.9
+# for sm_90 gives the kernel 197 registers a thread and no spill with 128 and 4 warps; with 64 (two steps),
+# 254; 8 warps, 254. `experiments/bench_local.py` times the alternatives on the card.
+BLOCK_K = 128
+BLOCK_V = 128
+NUM_WARPS = 4
+NUM_STAGES = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Static settings of one kernel call (hashable: a `nondiff_argnums` of the custom VJP)."""
+  prec: jax.lax.Precision | jax.lax.DotAlgorithmPreset  # of every dot (`kernel_precision` of the caller's)
+  ref_prec: jax.lax.Precision  # the caller's precision: the XLA reference's, for the backward
+  block_k: int
+  block_v: int
+  interpret: bool
+  num_warps: int
+  num_stages: int
+
+
+def supports(g, beta, masks, beta_kind: str, dtype) -> bool:
+  """Whether the fused kernel takes this variant: per-head decay and beta, no segment masks, 16/32-bit inputs."""
+  return (masks is None and g is not None and g.ndim == 2 and beta_kind == "head" and beta is not None
+          and jnp.dtype(dtype).itemsize <= 4)
+
+
+def _dot(a, b, tb: bool, prec):
+  """a @ b (b read transposed with tb), 2-D operands, accumulated in float32."""
+  dims = (((1,), (1 if tb else 0,)), ((), ()))
+  return jax.lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
+
+
+def _invert_unit_lower(bA, prec):
+  """(I + bA)^{-1} [Cp, Cp] for strictly lower-triangular float32 bA, Cp a power of two >= SUB."""
+  Cp = bA.shape[0]
+  M = Cp // SUB
+  iota = lambda shape, axis: jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+  # The diagonal blocks stacked: Ld[m, t, a] = bA[c m + t, c m + a]. Summing over the column blocks of a row
+  # adds exact zeros to the one block kept, so the entries are bA's exactly.
+  own = iota((Cp, M, SUB), 0) // SUB == iota((Cp, M, SUB), 1)  # [t, m, a]: column block m is row t's block
+  Ld = jnp.sum(jnp.where(own, bA.reshape(Cp, M, SUB), 0.0), axis=1).reshape(M, SUB, SUB)
+  # Forward substitution in all M blocks at once, on the strictly lower part Ti = T - I: row r of Ti is
+  # -L_r - sum_{j < r} L_rj Ti_j (rows at and after r still hold -L, which L_r does not reach).
+  r3 = iota((M, SUB, SUB), 1)
+  Ti = -Ld
+  for r in range(2, SUB):
+    a = -jnp.sum(jnp.where(r3 == r, Ld, 0.0), axis=1)  # [M, c]: row r of -L in each block
+    new = a + jnp.sum(a[:, :, None] * Ti, axis=1)
+    Ti = jnp.where(r3 == r, new[:, None, :], Ti)
+  stacked = Ti.reshape(Cp, SUB) + (iota((Cp, SUB), 0) % SUB == iota((Cp, SUB), 1)).astype(jnp.float32)
+  T = jnp.where(own, stacked[:, None, :], 0.0).reshape(Cp, Cp)  # block diagonal [Cp, Cp]
+  # Merge pairs of diagonal blocks of size s: the blocks (2p + 1, 2p) of bA are the Y of the docstring.
+  row, col = iota((Cp, Cp), 0), iota((Cp, Cp), 1)
+  s = SUB
+  while s < Cp:
+    Y = jnp.where((row // (2 * s) == col // (2 * s)) & (row // s > col // s), bA, 0.0)
+    T = T - _dot(T, _dot(Y, T, False, prec), False, prec)
+    s *= 2
+  return T
+
+
+def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref, w_ref, u_ref, *, cfg: Config):
+  Cp, Kp = k_ref.shape
+  Vp = v_ref.shape[-1]
+  f32 = jnp.float32
+  g = g_ref[...].astype(f32)
+  beta = b_ref[...].astype(f32)
+  row = jax.lax.broadcasted_iota(jnp.int32, (Cp, Cp), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, (Cp, Cp), 1)
+  gam = jax.lax.cumsum(g, axis=0)  # sum_{j <= t} g_j
+  seg = jax.lax.cumsum(jnp.where(row > col, g[:, None], 0.0), axis=0)  # [t, i]: sum_{i < j <= t} g_j
+  to_end = jnp.sum(jnp.where(row == Cp - 1, seg, 0.0), axis=0)  # its last row: sum_{j > i} g_j
+  decay = jnp.where(row >= col, jnp.exp(seg), 0.0)
+  e_gam, e_end = jnp.exp(gam)[:, None], jnp.exp(to_end)[:, None]
+  KK = QK = jnp.zeros((Cp, Cp), f32)
+  for j in range(Kp // cfg.block_k):
+    ks = pl.ds(j * cfg.block_k, cfg.block_k)
+    k, q = k_ref[:, ks], q_ref[:, ks]
+    KK = KK + _dot(k, k, True, cfg.prec)
+    QK = QK + _dot(q, k, True, cfg.prec)
+    qdec_ref[:, ks] = (q.astype(f32) * e_gam).astype(qdec_ref.dtype)
+    kend_ref[:, ks] = (k.astype(f32) * e_end).astype(kend_ref.dtype)
+  p_ref[...] = jnp.where(row >= col, QK * decay, 0.0).astype(p_ref.dtype)
+  A = jnp.where(row > col, KK * decay, 0.0)
+  T = _invert_unit_lower(beta[:, None] * A, cfg.prec)
+  for j in range(Kp // cfg.block_k):
+    ks = pl.ds(j * cfg.block_k, cfg.block_k)
+    rhs = beta[:, None] * (k_ref[:, ks].astype(f32) * e_gam)  # beta k_dec, as intra_chunk forms it
+    w_ref[:, ks] = _dot(T, rhs, False, cfg.prec).astype(w_ref.dtype)
+  for j in range(Vp // cfg.block_v):
+    vs = pl.ds(j * cfg.block_v, cfg.block_v)
+    u_ref[:, vs] = _dot(T, beta[:, None] * v_ref[:, vs].astype(f32), False, cfg.prec).astype(u_ref.dtype)
+
+
+def _pad(x, *target):
+  """Zero-pad the trailing axes of x to `target`: zero keys, values and betas, and log-decays 0 after the
+  chunk's end, change nothing in the rows that are kept (every quantity is causal inside the chunk)."""
+  return jnp.pad(x, [(0, 0)] * (x.ndim - len(target)) + [(0, t - s) for s, t in zip(x.shape[-len(target):], target)])
+
+
+def _forward(cfg: Config, q, k, v, g, beta):
+  """(q_dec, k_end, P, W, U) [L, C, ...] in k's dtype, from q (scaled), k [L, C, K], v [L, C, V], g, beta [L, C]."""
+  L, C, K = k.shape
+  V = v.shape[-1]
+  Cp, Kp, Vp = pow2(C), pow2(K), pow2(V)
+  BK, BV = min(cfg.block_k, Kp), min(cfg.block_v, Vp)
+  odt = k.dtype
+  ins = [_pad(q, Cp, Kp), _pad(k, Cp, Kp), _pad(v, Cp, Vp), _pad(g, Cp), _pad(beta, Cp)]
+  rows = lambda *s: pl.BlockSpec((None,) + s, lambda i: (i,) + (0,) * len(s))
+  out = lambda *s: jax.ShapeDtypeStruct((L,) + s, odt)
+  kernel = functools.partial(_kernel, cfg=dataclasses.replace(cfg, block_k=BK, block_v=BV))
+  res = pl.pallas_call(
+      kernel, grid=(L,),
+      in_specs=[rows(Cp, Kp), rows(Cp, Kp), rows(Cp, Vp), rows(Cp), rows(Cp)],
+      out_specs=[rows(Cp, Kp), rows(Cp, Kp), rows(Cp, Cp), rows(Cp, Kp), rows(Cp, Vp)],
+      out_shape=[out(Cp, Kp), out(Cp, Kp), out(Cp, Cp), out(Cp, Kp), out(Cp, Vp)],
+      interpret=cfg.interpret, name="gdn_chunk_local",
+      compiler_params=pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))(*ins)
+  q_dec, k_end, P, W, U = res
+  return q_dec[:, :C, :K], k_end[:, :C, :K], P[:, :C, :C], W[:, :C, :K], U[:, :C, :V]
+
+
+def _reference(prec, q, k, v, g, beta):
+  """The same five arrays from the XLA reference."""
+  loc = intra_chunk.local(q, k, v, g, beta, None, beta_kind="head", prec=prec)
+  return loc.q_dec, loc.k_end, loc.P, loc.W, loc.U
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(cfg: Config, q, k, v, g, beta):
+  return _forward(cfg, q, k, v, g, beta)
+
+
+def _fused_fwd(cfg, q, k, v, g, beta):
+  out, vjp = jax.vjp(functools.partial(_reference, cfg.ref_prec), q, k, v, g, beta)
+  return out, (vjp, k)
+
+
+def _fused_bwd(cfg, res, cts):
+  vjp, k = res
+  odt = k.dtype  # every output's: a cotangent may come back wider (a float32 one for a bfloat16 P)
+  return vjp(tuple(ct.astype(odt) for ct in cts))
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "blocked", block_k: Optional[int] = None,
+          block_v: Optional[int] = None, interpret: Optional[bool] = None) -> intra_chunk.Local:
+  """`intra_chunk.local`'s signature and results (k_dec and A None) through the fused kernel where `supports`
+  says so, else `intra_chunk.local` itself (segment masks, per-key-channel decay, no decay, no or per-channel
+  beta, float64). q (already scaled), k [L, C, K]; v [L, C, V]; g, beta [L, C]. `solver` reaches only the
+  fallback; block_k, block_v: None for BLOCK_K, BLOCK_V (read at the call, as NUM_WARPS and NUM_STAGES are);
+  interpret: Pallas' interpreter, None: where the default backend is not a GPU."""
+  if not supports(g, beta, masks, beta_kind, jnp.result_type(q, k, v)):
+    return intra_chunk.local(q, k, v, g, beta, masks, beta_kind=beta_kind, prec=prec, solver=solver)
+  interpret = default_interpret() if interpret is None else interpret
+  cfg = Config(prec=kernel_precision(prec, interpret), ref_prec=prec, block_k=pow2(block_k or BLOCK_K),
+               block_v=pow2(block_v or BLOCK_V), interpret=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+  q_dec, k_end, P, W, U = _fused(cfg, q, k, v, g, beta)
+  decay = jnp.exp(jnp.cumsum(g, axis=1)[..., -1:])  # as intra_chunk: the last inclusive cumulative log-decay
+  return intra_chunk.Local(q_dec=q_dec, k_dec=None, k_end=k_end, decay=decay, P=P, A=None, W=W, U=U)

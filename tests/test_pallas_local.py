@@ -1,0 +1,184 @@
+"""The fused chunk-local Pallas kernel (`pallas_local`) against `intra_chunk.local`, and `method="pallas"` with it
+(`pallas_chunk.FUSED_LOCAL`) against the float64 recurrence.
+
+Shapes: L chunks, C chunk size, K key dim, V value dim; B batch, T time, H q/k heads, HV value heads.
+
+On CPU the kernel runs in Pallas' interpreter, so the shapes are small; the `gpu` test runs it compiled.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdn import ops
+from gdn.ops import checks, intra_chunk, pallas_chunk, pallas_local
+from test_ops import assert_close, make_inputs, oracle, vjp_inputs
+
+FIELDS = ("q_dec", "k_end", "decay", "P", "W", "U")
+
+
+def chunk_inputs(seed, L, C, K, V, dtype, strong=False):
+  """q (scaled), k (unit rows), v [L, C, ...] in dtype; g, beta [L, C] float32. `strong`: a total forgetting
+  (-1e4) and a strong decay early in each chunk, then decays close to 1, where a difference of cumulative sums
+  would lose the weak ones."""
+  rng = np.random.default_rng(seed)
+  k = rng.normal(size=(L, C, K))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  q, v = rng.normal(size=(L, C, K)) * K**-0.5, rng.normal(size=(L, C, V))
+  g = np.log(rng.uniform(0.5, 1.0, (L, C)))
+  if strong:
+    g[:, 1], g[:, 3] = -1e4, -30.0
+    g[:, C // 2:] = np.log(rng.uniform(0.999, 1.0, (L, C - C // 2)))
+  beta = rng.uniform(0, 2, (L, C))
+  return ([jnp.asarray(x, dtype) for x in (q, k, v)] + [jnp.asarray(x, jnp.float32) for x in (g, beta)])
+
+
+def rel_err(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+
+
+# (L, C, K, V, strong): K != V, several chunks, C padded (8 -> 16) and K, V padded (5, 19 -> 16, 32), one and
+# several sub-chunk merge levels (C = 32, 64); blocks of 64 keys and 32 values, so K = 128 and V = 48, 64 take
+# two steps of the kernel's loops.
+CHUNK_CASES = [(3, 64, 32, 48, False), (2, 64, 128, 16, True), (4, 8, 5, 19, False), (2, 32, 16, 64, True)]
+
+
+@pytest.mark.parametrize("L, C, K, V, strong", CHUNK_CASES)
+def test_float32_equals_intra_chunk(L, C, K, V, strong):
+  args = chunk_inputs(0, L, C, K, V, jnp.float32, strong)
+  kw = dict(beta_kind="head", prec=jax.lax.Precision.HIGHEST)
+  want, got = intra_chunk.local(*args, None, **kw), pallas_local.local(*args, None, block_k=64, block_v=32, **kw)
+  assert got.A is None and got.k_dec is None  # what the fused path leaves out
+  for n in FIELDS:
+    a, b = getattr(got, n), getattr(want, n)
+    assert a.shape == b.shape and a.dtype == b.dtype, n
+    assert rel_err(a, b) <= 1e-5, (n, rel_err(a, b))
+
+
+def test_bfloat16_equals_intra_chunk():
+  args = chunk_inputs(1, 3, 64, 32, 48, jnp.bfloat16, strong=True)
+  kw = dict(beta_kind="head", prec=jax.lax.Precision.DEFAULT)
+  want, got = intra_chunk.local(*args, None, **kw), pallas_local.local(*args, None, **kw)
+  for n in FIELDS:
+    assert getattr(got, n).dtype == getattr(want, n).dtype, n
+    assert rel_err(getattr(got, n), getattr(want, n)) <= 2e-2, (n, rel_err(getattr(got, n), getattr(want, n)))
+
+
+def test_gradients_are_the_xla_references():
+  """The custom VJP's backward is the VJP of `intra_chunk.local`: equal gradients for the same cotangents."""
+  args = chunk_inputs(2, 2, 16, 16, 32, jnp.float32)
+  kw = dict(beta_kind="head", prec=jax.lax.Precision.HIGHEST)
+  pick = lambda loc: (loc.q_dec, loc.k_end, loc.decay, loc.P, loc.W, loc.U)
+  rng = np.random.default_rng(3)
+  outs, vjp_ref = jax.vjp(lambda *a: pick(intra_chunk.local(*a, None, **kw)), *args)
+  cts = tuple(jnp.asarray(rng.normal(size=o.shape), o.dtype) for o in outs)
+  _, vjp_got = jax.vjp(lambda *a: pick(pallas_local.local(*a, None, **kw)), *args)
+  for name, a, b in zip("q k v g beta".split(), vjp_got(cts), vjp_ref(cts)):
+    assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+
+
+def test_other_variants_fall_back_to_xla():
+  """Segment masks, per-key-channel decay and no beta go to `intra_chunk.local` (A set), raising nothing."""
+  q, k, v, g, beta = chunk_inputs(4, 2, 16, 16, 16, jnp.float32)
+  kw = dict(prec=jax.lax.Precision.HIGHEST)
+  g_channel = jnp.broadcast_to(g[..., None], k.shape)
+  for args, beta_kind in [((q, k, v, g_channel, beta), "head"), ((q, k, v, g, None), "none")]:
+    got = pallas_local.local(*args, None, beta_kind=beta_kind, **kw)
+    want = intra_chunk.local(*args, None, beta_kind=beta_kind, **kw)
+    assert all(rel_err(getattr(got, n), getattr(want, n)) == 0 for n in ("q_dec", "P", "U"))
+  assert not pallas_local.supports(g, beta, (None,), "head", jnp.float32)
+
+
+def _fused_op(monkeypatch, x, chunk_size):
+  """Forward, final state and all gradients of `gated_delta_rule(method="pallas")` with FUSED_LOCAL on (a jit of
+  its own: the switch is read at trace time)."""
+  monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", True)
+  diff, seg, co = vjp_inputs(x)
+
+  op = lambda d: ops.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"],
+                                      segment_ids=seg, method="pallas", chunk_size=chunk_size)
+
+  def f(diff):
+    (o, S), vjp = jax.vjp(op, diff)
+    (grads,) = vjp((co[0].astype(o.dtype), co[1].astype(S.dtype)))
+    return grads
+
+  # The kernel runs in forward-only calls; a differentiated call's forward is XLA's (pallas_local's custom_vjp).
+  o, S = jax.jit(op)(diff)
+  grads = jax.jit(f)(diff)
+  return (np.asarray(o, np.float64), np.asarray(S, np.float64),
+          {n: np.asarray(g, np.float64) for n, g in grads.items()})
+
+
+def test_fused_op_float32_against_oracle(monkeypatch):
+  """T = 40 over chunks of 16 (three chunks, the last padded), grouped heads, K != V, odd V, an initial state."""
+  x = make_inputs(31, 2, 40, 1, 2, 16, 19, "head", "head")
+  assert_close(_fused_op(monkeypatch, x, 16), oracle(x), 1e-5, "pallas with the fused chunk-local kernel")
+
+
+def test_fused_op_bfloat16_against_oracle(monkeypatch):
+  x = make_inputs(32, 1, 48, 2, 2, 16, 16, "head", "head")
+  x_bf = {n: a if a is None or n in ("segment_ids", "initial_state") else jnp.asarray(a, jnp.bfloat16)
+          for n, a in x.items()}
+  x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
+           for n, a in x_bf.items()}
+  assert_close(_fused_op(monkeypatch, x_bf, 16), oracle(x_ref), 2e-2, "bf16 pallas with the fused kernel")
+
+
+def test_kernel_lowers_to_triton():
+  """The compiled path lowers for CUDA (Triton IR from the kernel body: no primitive the Triton lowering lacks)."""
+  args = chunk_inputs(5, 2, 64, 128, 128, jnp.bfloat16)
+  f = jax.jit(lambda *a: pallas_local.local(*a, None, beta_kind="head", prec=jax.lax.Precision.DEFAULT,
+                                            interpret=False))
+  try:
+    hlo = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  except RuntimeError as e:  # jax >= 0.11 lowers Triton kernels only with a GPU present
+    if "No supported GPU devices" not in str(e):
+      raise
+    pytest.skip(f"this jax cannot lower Triton kernels without a GPU: {e}")
+  assert hlo.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
+def test_compiled_on_gpu(dtype, tol):
+  """The compiled kernel at C = 64, K = V = 128 against intra_chunk.local (max relative error per field)."""
+  args = chunk_inputs(6, 256, 64, 128, 128, jnp.dtype(dtype), strong=True)
+  prec = jax.lax.Precision.HIGHEST if dtype == "float32" else jax.lax.Precision.DEFAULT
+  want = intra_chunk.local(*args, None, beta_kind="head", prec=prec)
+  got = jax.jit(lambda *a: pallas_local.local(*a, None, beta_kind="head", prec=prec, interpret=False))(*args)
+  for n in FIELDS:
+    assert rel_err(getattr(got, n), getattr(want, n)) <= tol, (n, rel_err(getattr(got, n), getattr(want, n)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
+def test_compiled_op_on_gpu(monkeypatch, dtype, tol):
+  """`method="pallas"` with the fused kernel compiled, against the float64 recurrence: B = 2, T = 1024, H = 4,
+  K = V = 128, chunks of 64 (no segments: they would route the chunk-local work to XLA)."""
+  x = make_inputs(33, 2, 1024, 4, 4, 128, 128, "head", "head")
+  if dtype == "bfloat16":
+    x = {n: a if a is None or n in ("segment_ids", "initial_state") else jnp.asarray(a, jnp.bfloat16)
+         for n, a in x.items()}
+  x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
+           for n, a in x.items()}
+  assert_close(_fused_op(monkeypatch, x, 64), oracle(x_ref), tol, f"gpu pallas fused local {dtype}")
+
+
+def test_default_uses_the_kernel_only_where_it_compiles(monkeypatch):
+  """FUSED_LOCAL None: the fused kernel where the Pallas kernels compile, XLA's chunk-local work in the
+  interpreter (CPU); True forces the kernel (interpreted here)."""
+  calls = []
+  real = pallas_local.local
+  monkeypatch.setattr(pallas_local, "local", lambda *a, **kw: calls.append(kw.get("interpret")) or real(*a, **kw))
+  x = make_inputs(34, 1, 32, 1, 1, 16, 16, "head", "head")
+  run = lambda: ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], method="pallas", chunk_size=16)
+  monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", None)
+  want = run()[0]
+  assert calls == ([] if pallas_chunk.default_interpret() else [None])
+  monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", True)
+  got = run()[0]
+  assert calls[-1:] == [None]
+  assert rel_err(got, want) <= 1e-5
