@@ -4,10 +4,13 @@ Experiment files call `get_config()` here and change a few fields; `mixer()` and
 changes as "key=value" overrides, the form sweeps and the command line share.
 """
 
+import copy
 import dataclasses
 
+from gdn.bench.model_flops import param_count
 from gdn.config import PRESETS, RecurrentConfig
-from gdn.train.config import ConfigError
+from gdn.param_match import matched_mlp_hidden
+from gdn.train.config import ConfigError, from_dict
 from gdn.train.config_file import apply_overrides, base_config
 
 MIXERS = ("attention", "linear_attention", "gla_mamba2", "deltanet", "gated_deltanet", "kda")
@@ -92,6 +95,51 @@ def byte_lm(c, name: str, size: str, num_layers: int):
   else:
     schedule(cpu(c), 200, 20, every=200, learning_rate=3e-3)
   return c
+
+
+# The corpus of gdn.data.corpus: "full" is every .py of the stdlib and site-packages (316 MB on the CPU machine,
+# 2026-12-01), "small" the stdlib capped at 4 MB for the CPU versions and tests. Both are built by one command:
+CORPUS = {"full": ("data/pycode", "python -m gdn.data.corpus --out data/pycode"),
+          "small": ("data/pycode_small", "python -m gdn.data.corpus --out data/pycode_small --roots stdlib "
+                                         "--max-bytes 4000000")}
+
+
+def pycode_lm(c, name: str, size: str, num_layers: int):
+  """Language modelling on the gdn-corpus files, every training token seen at most once (data.text.single_pass
+  refuses a longer run): the full run (64 x 512 bytes x 2,000 steps = 65.5M bytes, 3 seeds x 3 rates), or its
+  small CPU version (16 x 128 bytes x 150 steps, one seed and rate). data.text.{train,val}_file name the corpus."""
+  c.name = name if size == "full" else f"{name}_small"
+  full = size == "full"
+  task(c, "tokens", batch_size=64 if full else 16, vocab_size=256, num_layers=num_layers,
+       metric="bits_per_byte", mode="min")
+  out = CORPUS[size][0]
+  t = c.data.text
+  t.train_file, t.val_file = f"{out}/train.bin", f"{out}/val.bin"
+  t.token_dtype, t.vocab_size, t.single_pass = "uint8", 256, True
+  t.seq_len = 512 if full else 128
+  t.eval_examples = 1024 if full else 128
+  c.data.eval_batch_size = 64 if full else 32
+  if full:
+    schedule(c, 2000, 200, every=500, learning_rate=2e-3)
+    c.model.dtype = "bfloat16"
+    c.sweep.seeds, c.sweep.learning_rates = (0, 1, 2), (1e-3, 2e-3, 4e-3)
+  else:
+    schedule(cpu(c), 150, 15, every=150, learning_rate=3e-3)
+    c.sweep.seeds, c.sweep.learning_rates = (0,), (3e-3,)
+  return c
+
+
+def model_config(c, overrides=()):
+  """The ModelConfig that `c` with `overrides` trains."""
+  return from_dict(apply(copy.deepcopy(c), overrides).to_dict()).model
+
+
+def matched(c, models: dict, reference: str) -> dict:
+  """`models` with model.mlp_hidden set so that each has (nearly) the parameters of `models[reference]`
+  (gdn.param_match: the dense MLP width is the free knob; rounding to 8 keeps them within 0.5%)."""
+  target = param_count(model_config(c, models[reference]))
+  return {name: tuple(o) + (f"model.mlp_hidden={matched_mlp_hidden(model_config(c, o), target)}",)
+          for name, o in models.items()}
 
 
 def check_size(size: str) -> str:

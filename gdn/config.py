@@ -1,8 +1,10 @@
 """Typed, frozen model configs. Modules receive these, never dictionaries.
 
 A model is a stack of layers given by `ModelConfig.pattern`, one letter per layer, repeated cyclically to
-`num_layers`: "R" a recurrent mixer of the delta-rule family (`RecurrentConfig`), "A" global softmax attention,
-"W" sliding-window softmax attention (`AttentionConfig`). "RRRA" is the 3:1 hybrid. `ModelConfig.mlp_pattern`
+`num_layers`: "R" a recurrent mixer of the delta-rule family (`RecurrentConfig`), "M" a second recurrent mixer with
+its own config (`ModelConfig.mamba2`, by default Mamba2's gated linear attention: per-head decay, no delta rule),
+"A" global softmax attention, "W" sliding-window softmax attention (`AttentionConfig`). "RRRA" is the 3:1 hybrid;
+"MRW" the Gated DeltaNet paper's H2 (Mamba2, Gated DeltaNet, sliding window). `ModelConfig.mlp_pattern`
 likewise picks each layer's MLP: "D" dense SwiGLU, "M" sparse mixture of experts (`MoEConfig`).
 """
 
@@ -17,7 +19,7 @@ DECAYS = ("none", "head", "channel")
 BETAS = ("none", "head", "channel")
 OUTPUT_GATES = ("none", "silu", "sigmoid")
 QK_NORMS = ("none", "l2")
-LAYER_KINDS = {"R": "recurrent", "A": "attention", "W": "sliding_window"}
+LAYER_KINDS = {"R": "recurrent", "M": "mamba2", "A": "attention", "W": "sliding_window"}
 MLP_KINDS = {"D": "dense", "M": "moe"}
 REMATS = ("none", "dots", "full")
 MIXER_REMATS = ("none", "op", "layer")
@@ -194,6 +196,8 @@ class ModelConfig:
   num_layers: int = 4
   pattern: str = "RRRA"
   recurrent: RecurrentConfig = RecurrentConfig()
+  # The "M" layers' mixer: one model can hold two recurrent kinds (the paper's H2 stacks Mamba2 and Gated DeltaNet).
+  mamba2: RecurrentConfig = RecurrentConfig(decay="head", beta="none")
   attention: AttentionConfig = AttentionConfig()
   mlp_ratio: float = 4.0  # SwiGLU hidden = round(mlp_ratio * 2/3 * d_model) to a multiple of 8; 0 = no MLP
   tie_embeddings: bool = True
@@ -217,7 +221,7 @@ class ModelConfig:
     _positive("num_layers", self.num_layers)
     if not self.pattern or set(self.pattern) - set(LAYER_KINDS):
       raise ValueError(f"pattern must be a non-empty string of {sorted(LAYER_KINDS)} "
-                       f"(R recurrent, A attention, W sliding window), got {self.pattern!r}")
+                       f"(R recurrent, M second recurrent, A attention, W sliding window), got {self.pattern!r}")
     if "W" in self.pattern and self.attention.window < 1:
       raise ValueError("pattern has sliding-window layers 'W' but attention.window is 0")
     _choice("dtype", self.dtype, ("float32", "bfloat16"))
@@ -248,8 +252,12 @@ class ModelConfig:
 
   @property
   def layer_kinds(self) -> tuple:
-    """One of "recurrent", "attention", "sliding_window" per layer."""
+    """One of "recurrent", "mamba2", "attention", "sliding_window" per layer."""
     return tuple(LAYER_KINDS[self.pattern[i % len(self.pattern)]] for i in range(self.num_layers))
+
+  def mixer_config(self, kind: str) -> RecurrentConfig:
+    """The RecurrentConfig of a recurrent layer kind ("recurrent" or "mamba2")."""
+    return self.mamba2 if kind == "mamba2" else self.recurrent
 
   @property
   def mlp_kinds(self) -> tuple:

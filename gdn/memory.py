@@ -78,10 +78,11 @@ def layer_cache_bytes(cfg: ModelConfig, batch: int, context: int, *, dtype=None,
   _check(cfg, batch, context)
   cache_size = itemsize(cfg.dtype if dtype is None else dtype)
   state_size = itemsize(state_dtype)
-  a, r = cfg.attention, cfg.recurrent
+  a = cfg.attention
   out = []
   for kind in cfg.layer_kinds:
-    if kind == "recurrent":
+    if kind in ("recurrent", "mamba2"):
+      r = cfg.mixer_config(kind)
       conv = batch * (r.conv_size - 1) * (2 * r.num_heads * r.head_dim + r.HV * r.V) * cache_size if r.short_conv else 0
       out.append(CacheBytes(state=batch * r.HV * r.head_dim * r.V * state_size, conv=conv))
     else:

@@ -43,13 +43,13 @@ class Block(nnx.Module):
     common = dict(init_std=cfg.init_std, out_init_std=out_std, dtype=dtype, rngs=rngs)
     self.kind = kind
     self.mixer_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-    if kind == "recurrent":
-      self.mixer = RecurrentMixer(cfg.recurrent, cfg.d_model, **common)
+    if kind in ("recurrent", "mamba2"):
+      self.mixer = RecurrentMixer(cfg.mixer_config(kind), cfg.d_model, **common)
     elif kind in ("attention", "sliding_window"):
       window = cfg.attention.window if kind == "sliding_window" else 0
       self.mixer = Attention(cfg.attention, cfg.d_model, window=window, norm_eps=cfg.norm_eps, **common)
     else:
-      raise ValueError(f"kind must be 'recurrent', 'attention' or 'sliding_window', got {kind!r}")
+      raise ValueError(f"kind must be 'recurrent', 'mamba2', 'attention' or 'sliding_window', got {kind!r}")
     # No MLP when the dense width comes out 0 (mlp_ratio 0, mlp_hidden unset), as in Zoology's MQAR models.
     has_mlp = mlp_kind == "moe" or bool(cfg.mlp_hidden) or cfg.mlp_ratio > 0
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps) if has_mlp else None

@@ -62,6 +62,22 @@ def test_interface_and_layer_pattern():
   np.testing.assert_array_equal(_logits(model, other)[:, :t0 + 1], logits[:, :t0 + 1])
 
 
+def test_m_layers_use_their_own_recurrent_config():
+  """The paper's H2 ("MRW"): "M" layers take ModelConfig.mamba2 (by default no delta rule, so no b_proj), "R"
+  layers ModelConfig.recurrent; prefill then decode still equals one full forward pass."""
+  cfg = _cfg(pattern="MRW", num_layers=3, mamba2=RecurrentConfig(num_heads=2, head_dim=16, beta="none"))
+  model = LanguageModel(cfg, rngs=nnx.Rngs(0))
+  m, r = model.blocks[0].mixer, model.blocks[1].mixer
+  assert m.cfg.beta == "none" and m.cfg.head_dim == 16 and m.b_proj is None
+  assert r.cfg.beta == "head" and r.cfg.head_dim == 8 and r.b_proj is not None
+  tokens = _tokens(T=19, seed=4)
+  full = _logits(model, tokens)
+  cache = model.init_cache(2, 24)
+  head, cache = nnx.jit(lambda m, t, c: m.prefill(t, c))(model, tokens[:, :15], cache)
+  tail, _ = nnx.jit(lambda m, t, c: m.decode_step(t, c))(model, tokens[:, 15:16], cache)
+  assert _rel(jnp.concatenate([head, tail], 1), full[:, :16]) <= 1e-4
+
+
 def test_tied_embeddings_have_no_head():
   model = LanguageModel(_cfg(pattern="R", num_layers=1), rngs=nnx.Rngs(0))
   assert model.lm_head is None

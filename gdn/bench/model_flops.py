@@ -36,11 +36,12 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, *, chunk_size: int = 6
   D, Vocab, T = cfg.d_model, cfg.vocab_size, seq_len
   embed = Vocab * D
   n = param_count(cfg) - embed + (embed if cfg.tie_embeddings else 0)
-  a, r = cfg.attention, cfg.recurrent
-  C, K, V = chunk_size, r.head_dim, r.V
+  a, C = cfg.attention, chunk_size
   mixing = 0.0
   for kind in cfg.layer_kinds:
-    if kind == "recurrent":
+    if kind in ("recurrent", "mamba2"):
+      r = cfg.mixer_config(kind)
+      K, V = r.head_dim, r.V
       mixing += 3 * r.HV * (2 * C * (3 * K + 2 * V) + 6 * K * V + 2 * C * C / 3)
     else:
       span = min(a.window, T) if kind == "sliding_window" else T

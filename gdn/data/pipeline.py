@@ -39,6 +39,7 @@ class Task:
   evals: tuple  # of Split
   chance: float = 0.0  # accuracy of guessing, for the scaled accuracy (acc - chance) / (1 - chance)
   bits_per_token: bool = False  # report loss in bits (byte-level text: bits per byte)
+  train_windows: int = 0  # text: the train split's distinct windows (0: drawn fresh, never repeated)
 
 
 def check_settings(name: str, settings, width: int) -> tuple:

@@ -60,5 +60,9 @@ def make_task(cfg: DataConfig, seed: int, num_batches: int, rows: Optional[slice
                 chance=state_tracking.chance(c))
   c = cfg.text
   vocab = 256 if cfg.task == "bytes" else c.vocab_size
+  # A uint8 token file holds one byte per token (gdn.data.corpus writes them), so its bits per token are bits per
+  # byte; wider tokens (a BPE vocabulary) cover several bytes each, and bits per token would not be.
+  per_byte = cfg.task == "bytes" or c.token_dtype == "uint8"
   return Task(cfg.task, vocab, text.train_dataset(c, cfg.task, B, seed, num_batches, rows),
-              tuple(text.eval_splits(c, cfg.task)), bits_per_token=cfg.task == "bytes")
+              tuple(text.eval_splits(c, cfg.task)), bits_per_token=per_byte,
+              train_windows=len(text.Windows(text.streams(c, cfg.task)[0], c.seq_len)))

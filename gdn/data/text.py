@@ -36,6 +36,8 @@ class TextConfig:
   val_file: str = ""
   token_dtype: str = "uint16"
   vocab_size: int = 50304  # tokens only; bytes always have 256
+  # Refuse a run that would see a training window twice: steps x batch_size windows must fit in the train split.
+  single_pass: bool = False
 
   def __post_init__(self):
     if self.seq_len < 2:
@@ -140,7 +142,10 @@ def train_dataset(cfg: TextConfig, kind: str, batch_size: int, seed: int, num_ba
                   rows: Optional[slice] = None) -> grain.MapDataset:
   """Shuffled windows, reshuffled every epoch, batched; element i is batch i, or its `rows` only."""
   train, _ = streams(cfg, kind)
-  ds = grain.MapDataset.source(Windows(train, cfg.seq_len)).shuffle(seed=seed).repeat(None)
+  windows = Windows(train, cfg.seq_len)
+  if cfg.single_pass:
+    check_single_pass(len(windows), num_batches, batch_size, cfg.seq_len)
+  ds = grain.MapDataset.source(windows).shuffle(seed=seed).repeat(None)
   if rows is None:
     return ds.batch(batch_size, drop_remainder=True).map(_example)[:num_batches]
   # Row r of batch i is window i * batch_size + r of the shuffled stream (what `batch` stacks), and windows are
@@ -148,6 +153,18 @@ def train_dataset(cfg: TextConfig, kind: str, batch_size: int, seed: int, num_ba
   picks = np.arange(batch_size)[rows]
   return grain.MapDataset.range(num_batches).map(
       lambda i: _example(np.stack([ds[i * batch_size + r] for r in picks])))
+
+
+def check_single_pass(num_windows: int, num_batches: int, batch_size: int, seq_len: int) -> None:
+  """The shuffled windows repeat only after all `num_windows` have been drawn, so a run of `num_batches`
+  batches sees no training token twice exactly when num_batches * batch_size <= num_windows."""
+  need = num_batches * batch_size
+  if need > num_windows:
+    raise ValueError(
+        f"config.data.text.single_pass: config.train.steps (or stop_step) {num_batches} x config.data.batch_size "
+        f"{batch_size} = {need:,} windows of config.data.text.seq_len + 1 = {seq_len + 1} tokens, but the train "
+        f"split has {num_windows:,} ({num_windows * seq_len:,} tokens): the run would see tokens twice. Lower "
+        f"steps or batch_size, or build a larger corpus (config.data.text.train_file)")
 
 
 def eval_splits(cfg: TextConfig, kind: str) -> list:

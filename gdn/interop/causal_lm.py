@@ -145,8 +145,9 @@ def _settings(cfg: ModelConfig) -> dict:
   out = {}
   for f in dataclasses.fields(cfg):
     value = getattr(cfg, f.name)
-    used = {"recurrent": "recurrent" in cfg.layer_kinds, "moe": "moe" in cfg.mlp_kinds,
-            "attention": set(cfg.layer_kinds) - {"recurrent"}}.get(f.name, True)
+    used = {"recurrent": "recurrent" in cfg.layer_kinds, "mamba2": "mamba2" in cfg.layer_kinds,
+            "moe": "moe" in cfg.mlp_kinds,
+            "attention": set(cfg.layer_kinds) - {"recurrent", "mamba2"}}.get(f.name, True)
     if f.name in FREE or not used:
       continue
     if dataclasses.is_dataclass(value):

@@ -13,6 +13,7 @@ import re
 import numpy as np
 
 from gdn.data import make_task
+from gdn.sweep import published
 from gdn.train.config import to_dict
 from gdn.train.metrics import read_jsonl
 
@@ -41,9 +42,15 @@ def collect(cells) -> list:
     rows.append(dict(model=cell.model, setting=cell.setting, seed=cell.seed, lr=cell.lr,
                      x=_get(to_dict(cell.config), x_key) if x_key else None, run_dir=cell.config.run_dir,
                      params=summary["params"], steps=summary["steps"], **_budget(cell),
-                     stopped_early=bool(summary.get("stopped_early")),
+                     stopped_early=bool(summary.get("stopped_early")), corpus=_corpus(summary),
                      **{f"eval/{k}": v for k, v in summary["eval"].items()}))
   return rows
+
+
+def _corpus(summary) -> str:
+  """The first 12 hex digits of the gdn-corpus train file's SHA-256, "" for other data."""
+  c = summary.get("corpus") or {}
+  return c.get("train", {}).get("sha256", "")[:12]
 
 
 def _budget(cell) -> dict:
@@ -163,7 +170,8 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
            f"Final eval `{metric}`: mean ± std over {len(sweep.seeds)} seed(s) (std over seeds, ddof 0), each "
            f"seed at its best learning rate from {sorted({c.lr for c in cells})}; the rates picked below."
            + ("" if chance is None else f" Chance: {chance:.4g}.")
-           + f" Runs finished: {len(rows)} of {len(cells)}.", ""]
+           + f" Runs finished: {len(rows)} of {len(cells)}."
+           + "".join(f" Corpus (train.bin SHA-256): {c}." for c in sorted({r["corpus"] for r in rows} - {""})), ""]
 
   def best_rates(m, s):
     if (m, s) not in summary:
@@ -172,6 +180,9 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
     return f"{_cell(mean, std, n)} (lr {_rates(lrs)})"
 
   lines += _by_model_and_setting(models, settings, best_rates)
+  for spec in sweep.published.values():  # the first setting's numbers beside each published table
+    ours = {m: summary[(m, settings[0])][:3] for m in models if (m, settings[0]) in summary}
+    lines += [""] + published.table(spec, ours, metric)
   tc = cells[0].config.train
   if tc.early_stop > 0:
     lines += ["", f"Steps trained until eval `{tc.early_stop_metric}` reached {tc.early_stop} (mean ± std over the "

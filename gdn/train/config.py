@@ -107,6 +107,9 @@ class SweepConfig:
   metric: str = "accuracy"  # final eval metric that picks the learning rate and fills the table
   mode: str = "max"  # "max" | "min"
   x_key: str = ""  # a config key to plot the metric against (e.g. "model.d_model")
+  # Published results to set beside ours in the report (gdn.sweep.published): name -> {"source", "metric",
+  # "reference" (one of models), "values" {model: number}}, lower is better.
+  published: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if self.mode not in ("max", "min"):
@@ -117,6 +120,13 @@ class SweepConfig:
           raise ValueError(f"{group}.{name} must be a tuple of 'key=value' strings, got {overrides!r}")
     if not self.seeds:
       raise ValueError("seeds must not be empty")
+    for name, spec in self.published.items():
+      missing = {"source", "metric", "reference", "values"} - set(spec)
+      if missing:
+        raise ValueError(f"published.{name} needs keys source, metric, reference and values; missing "
+                         f"{', '.join(sorted(missing))}")
+      if spec["reference"] not in spec["values"]:
+        raise ValueError(f"published.{name}.reference {spec['reference']!r} has no value in its values")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,15 +208,18 @@ def _check_context_parallel(cfg: ExperimentConfig) -> None:
   the first step is traced. The device count and the sequence lengths are checked by the loop and the step."""
   if cfg.train.mesh_seq == 1:
     return
-  rec = cfg.model.recurrent
-  if rec.dropout > 0:
-    raise ConfigError(f"config.train.mesh_seq={cfg.train.mesh_seq} does not support "
-                      f"config.model.recurrent.dropout={rec.dropout}: every device would draw its slice's "
-                      "dropout mask from the same key; set dropout to 0 or mesh_seq to 1")
-  if "recurrent" in cfg.model.layer_kinds and rec.beta == "channel":
-    raise ConfigError(f"config.train.mesh_seq={cfg.train.mesh_seq} does not support "
-                      "config.model.recurrent.beta='channel' (per-value-channel beta has no [K, K] slice "
-                      "map); use beta='head' or mesh_seq=1")
+  for kind, key in (("recurrent", "recurrent"), ("mamba2", "mamba2")):
+    rec = cfg.model.mixer_config(kind)
+    if kind == "mamba2" and kind not in cfg.model.layer_kinds:
+      continue
+    if rec.dropout > 0:
+      raise ConfigError(f"config.train.mesh_seq={cfg.train.mesh_seq} does not support "
+                        f"config.model.{key}.dropout={rec.dropout}: every device would draw its slice's "
+                        "dropout mask from the same key; set dropout to 0 or mesh_seq to 1")
+    if kind in cfg.model.layer_kinds and rec.beta == "channel":
+      raise ConfigError(f"config.train.mesh_seq={cfg.train.mesh_seq} does not support "
+                        f"config.model.{key}.beta='channel' (per-value-channel beta has no [K, K] slice "
+                        "map); use beta='head' or mesh_seq=1")
 
 
 def to_dict(cfg) -> dict:

@@ -10,7 +10,7 @@ import jax
 import tqdm
 from jax.experimental import multihost_utils
 
-from gdn.data import iterator, make_task
+from gdn.data import corpus, iterator, make_task
 from gdn.train import checkpoint, evaluate, metrics, optimizer, sharding, step, workdir as workdirs
 from gdn.train.config import ConfigError, ExperimentConfig
 
@@ -85,6 +85,9 @@ def _train(cfg: ExperimentConfig, log) -> dict:
   if task.vocab_size > cfg.model.vocab_size:
     raise ConfigError(f"config.model.vocab_size {cfg.model.vocab_size} is smaller than the vocabulary of task "
                       f"{task.name!r} ({task.vocab_size})")
+  if task.train_windows:  # how often a text run sees its data, which decides whether it can overfit
+    log(f"data: {last * B:,} training windows of {task.train_windows:,} in the train split "
+        f"({last * B / task.train_windows:.2f} epochs)")
   tx = optimizer.make_optimizer(tc)
   lr = optimizer.lr_shape(tc)
   graphdef, state = step.init(cfg.model, tx, cfg.seed)
@@ -197,6 +200,8 @@ def _train(cfg: ExperimentConfig, log) -> dict:
   # steps: the steps trained, fewer than train.last_step when stopped_early.
   summary = dict(name=cfg.name, workdir=os.path.abspath(workdir), steps=last, stopped_early=stopped,
                  params=n_params, seconds=time.perf_counter() - t0, eval=final_eval)
+  if cfg.data.task == "tokens":  # the digests of a gdn-corpus build name the exact bytes trained on
+    summary["corpus"] = corpus.describe(cfg.data.text.train_file)
   if primary:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)

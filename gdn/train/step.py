@@ -89,8 +89,8 @@ def model_stats(model: LanguageModel, batch, loss_chunk: int = 0, return_aux_los
 def _context_parallel_logits(model: LanguageModel, tokens, mesh):
   """`model(tokens)` with T split over the mesh's "seq" axis and B over ("data", "fsdp")."""
   D, T = sharding.seq_size(mesh), tokens.shape[1]
-  rec = model.cfg.recurrent
-  halo = rec.conv_size - 1 if rec.short_conv and "recurrent" in model.cfg.layer_kinds else 0
+  halo = max([model.cfg.mixer_config(k).conv_size - 1 for k in set(model.cfg.layer_kinds)
+              if k in ("recurrent", "mamba2") and model.cfg.mixer_config(k).short_conv], default=0)
   if -(-T // D) < halo:
     raise ConfigError(f"config.train.mesh_seq={D} splits sequences of {T} tokens into slices of {-(-T // D)}, "
                       f"fewer than the conv_size - 1 = {halo} steps that each device's short conv takes from "

@@ -1,0 +1,106 @@
+"""The language-model ablation and hybrid configs: parameter-matched, the published layer arrangements, and a
+budget that the no-repeat check holds to the corpus it is given."""
+
+import collections
+import copy
+import functools
+
+import pytest
+
+from configs import base, lm_ablations, lm_hybrids
+from gdn.bench.model_flops import param_count
+from gdn.data import corpus, make_task
+from gdn.sweep import expand
+from gdn.train.config_file import apply_overrides
+
+
+@functools.lru_cache(maxsize=None)
+def _models(module, size):
+  c = module.get_config(size)
+  return c, {name: base.model_config(c, o) for name, o in c.sweep.models.items()}
+
+
+@pytest.mark.parametrize("module, size, reference", [
+    (lm_ablations, "small", "baseline"), (lm_ablations, "full", "baseline"),
+    (lm_hybrids, "small", "gdn"), (lm_hybrids, "full", "gdn")])
+def test_models_have_the_parameters_of_the_reference_within_half_a_rounding_step(module, size, reference):
+  _, cfgs = _models(module, size)
+  target = param_count(cfgs[reference])
+  for name, cfg in cfgs.items():
+    # The MLP width moves in steps of 8, each 3 x d_model x 8 parameters per dense layer.
+    step = 3 * cfg.d_model * cfg.num_layers * 8
+    assert abs(param_count(cfg) - target) <= step / 2, name
+    if size == "full":
+      assert abs(param_count(cfg) - target) <= 0.005 * target, name
+
+
+def test_ablations_change_one_switch_each_from_the_baseline():
+  _, cfgs = _models(lm_ablations, "small")
+  b = cfgs["baseline"].recurrent
+  assert (b.decay, b.beta, b.short_conv, b.output_gate, b.output_norm) == ("head", "head", True, "silu", True)
+  assert cfgs["naive_delta_rule"].recurrent.decay == "none"
+  assert not cfgs["no_short_conv"].recurrent.short_conv and cfgs["no_short_conv"].recurrent.silu_without_conv
+  assert cfgs["no_output_gate"].recurrent.output_gate == "none"
+  assert not cfgs["no_output_norm"].recurrent.output_norm
+  for name, cfg in cfgs.items():
+    r = cfg.recurrent
+    assert r.num_heads * r.head_dim == cfg.d_model, name
+
+
+def test_hybrids_have_the_published_layer_arrangements():
+  _, cfgs = _models(lm_hybrids, "small")
+  kinds = {n: collections.Counter(c.layer_kinds) for n, c in cfgs.items()}
+  assert kinds["transformer"] == {"attention": 16} and kinds["gdn"] == {"recurrent": 16}
+  assert kinds["gdn_h1"] == {"recurrent": 8, "sliding_window": 8}
+  assert cfgs["gdn_h2"].layer_kinds[:3] == ("mamba2", "recurrent", "sliding_window")
+  assert kinds["gdn_h2"] == {"mamba2": 5, "recurrent": 5, "sliding_window": 5}
+  assert cfgs["gdn_h2"].mamba2.beta == "none" and cfgs["gdn_h2"].recurrent.beta == "head"
+  for name, ratio in (("kda_1to1", 1), ("kda_3to1", 3), ("kda_7to1", 7), ("kda_15to1", 15)):
+    assert kinds[name] == {"recurrent": 16 * ratio // (ratio + 1), "attention": 16 // (ratio + 1)}, name
+    assert cfgs[name].recurrent.decay == "channel", name  # KDA
+  assert cfgs["gdn_h1"].attention.window == 64  # half the training length, as the paper's 2K of 4K
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+  out = tmp_path_factory.mktemp("pycode_small")
+  corpus.build(str(out), roots=("stdlib",), max_bytes=4_000_000)  # as configs.base.CORPUS["small"]
+  return out
+
+
+def _with_corpus(config, out):
+  return apply_overrides(copy.deepcopy(config), (f"data.text.train_file={out}/train.bin", f"data.text.val_file={out}/val.bin"))
+
+
+def test_small_configs_fit_the_small_corpus_and_report_bits_per_byte(small_corpus):
+  for module in (lm_ablations, lm_hybrids):
+    cell = expand(_with_corpus(_models(module, "small")[0], small_corpus), results="/nonexistent")[0]
+    task = make_task(cell.config.data, cell.config.seed, cell.config.train.steps)
+    assert task.bits_per_token and cell.config.sweep.metric == "bits_per_byte"
+
+
+def test_the_full_budget_is_refused_on_a_corpus_too_small_for_it(small_corpus):
+  cell = expand(_with_corpus(_models(lm_ablations, "full")[0], small_corpus), results="/nonexistent")[0]
+  with pytest.raises(ValueError, match=r"config.train.steps \(or stop_step\) 2000 x config.data.batch_size 64"):
+    make_task(cell.config.data, cell.config.seed, cell.config.train.steps)
+
+
+def test_a_run_records_the_corpus_digests(small_corpus, tmp_path):
+  from gdn.train import from_dict, train  # noqa: PLC0415
+  c = _with_corpus(_models(lm_ablations, "small")[0], small_corpus)
+  apply_overrides(c, ("train.steps=3", "train.warmup_steps=1", "train.eval_every=0", "train.checkpoint_every=0",
+                      "train.progress_bar=false", "data.text.eval_examples=4", f"workdir={tmp_path / 'run'}"))
+  summary = train(from_dict(c.to_dict()), log=lambda *a: None)
+  want = (small_corpus / "manifest.json").read_text()
+  assert summary["corpus"]["train"]["sha256"] in want and summary["eval"]["bits_per_byte"] > 0
+
+
+def test_published_table_marks_agreement_ties_and_disagreement():
+  from gdn.sweep import published  # noqa: PLC0415
+  spec = dict(source="S", metric="ppl", reference="a", values=dict(a=10.0, b=11.0, c=9.0, d=10.01))
+  ours = dict(a=(1.00, 0.01, 3), b=(1.10, 0.01, 3), c=(1.10, 0.01, 3), d=(1.005, 0.01, 3))
+  rows = {line.split(" | ")[0][2:]: line for line in published.table(spec, ours, "bits_per_byte")[4:]}
+  assert rows["a"].endswith("(reference) |")
+  assert "worse" in rows["b"] and rows["b"].endswith("| agrees |")
+  assert "better" in rows["c"] and rows["c"].endswith("| **disagrees** |")
+  assert "≈" in rows["d"] and rows["d"].endswith("| agrees |")  # 0.1% there, within two standard errors here
