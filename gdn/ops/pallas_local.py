@@ -59,6 +59,13 @@ BLOCK_K = 128
 BLOCK_V = 128
 NUM_WARPS = 4
 NUM_STAGES = 1
+# The backward kernel (`_bwd_kernel`): None or False runs XLA's chunk-local forward and its `jax.vjp` when the op is
+# differentiated (today's rule); True runs the fused forward kernel, saves only its inputs and runs the backward
+# kernel. Read at the call (trace time), as FUSED_LOCAL is. Its K and V blocks: it holds three [Cp, Cp] float32
+# matrices (T, dQK, dKK + dKK^T) through its K loop, beside five [Cp, BK] ones, so it reads half the forward's.
+BACKWARD_KERNEL: Optional[bool] = False
+BWD_BLOCK_K = 64
+BWD_BLOCK_V = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +78,9 @@ class Config:
   interpret: bool
   num_warps: int
   num_stages: int
+  bwd_kernel: bool = False  # BACKWARD_KERNEL at the call
+  bwd_block_k: int = 64
+  bwd_block_v: int = 64
 
 
 def supports(g, beta, masks, beta_kind: str, dtype) -> bool:
@@ -83,6 +93,11 @@ def _dot(a, b, tb: bool, prec):
   """a @ b (b read transposed with tb), 2-D operands, accumulated in float32."""
   dims = (((1,), (1 if tb else 0,)), ((), ()))
   return jax.lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
+
+
+def _dot_ta(a, b, prec):
+  """a^T @ b, 2-D operands, accumulated in float32."""
+  return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
 def _invert_unit_lower(bA, prec):
@@ -114,19 +129,24 @@ def _invert_unit_lower(bA, prec):
   return T
 
 
-def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref, w_ref, u_ref, *, cfg: Config):
-  Cp, Kp = k_ref.shape
-  Vp = v_ref.shape[-1]
-  f32 = jnp.float32
-  g = g_ref[...].astype(f32)
-  beta = b_ref[...].astype(f32)
+def _decays(g, Cp):
+  """row, col iotas [Cp, Cp]; e^gamma, e^to_end [Cp, 1]; the decays e^D [Cp, Cp] (zero above the diagonal)."""
   row = jax.lax.broadcasted_iota(jnp.int32, (Cp, Cp), 0)
   col = jax.lax.broadcasted_iota(jnp.int32, (Cp, Cp), 1)
   gam = jax.lax.cumsum(g, axis=0)  # sum_{j <= t} g_j
   seg = jax.lax.cumsum(jnp.where(row > col, g[:, None], 0.0), axis=0)  # [t, i]: sum_{i < j <= t} g_j
   to_end = jnp.sum(jnp.where(row == Cp - 1, seg, 0.0), axis=0)  # its last row: sum_{j > i} g_j
   decay = jnp.where(row >= col, jnp.exp(seg), 0.0)
-  e_gam, e_end = jnp.exp(gam)[:, None], jnp.exp(to_end)[:, None]
+  return row, col, jnp.exp(gam)[:, None], jnp.exp(to_end)[:, None], decay
+
+
+def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref, w_ref, u_ref, *, cfg: Config):
+  Cp, Kp = k_ref.shape
+  Vp = v_ref.shape[-1]
+  f32 = jnp.float32
+  g = g_ref[...].astype(f32)
+  beta = b_ref[...].astype(f32)
+  row, col, e_gam, e_end, decay = _decays(g, Cp)
   KK = QK = jnp.zeros((Cp, Cp), f32)
   for j in range(Kp // cfg.block_k):
     ks = pl.ds(j * cfg.block_k, cfg.block_k)
@@ -145,6 +165,70 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref, w_ref,
   for j in range(Vp // cfg.block_v):
     vs = pl.ds(j * cfg.block_v, cfg.block_v)
     u_ref[:, vs] = _dot(T, beta[:, None] * v_ref[:, vs].astype(f32), False, cfg.prec).astype(u_ref.dtype)
+
+
+def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dqd_ref, dke_ref, dp_ref, dw_ref, du_ref,
+                dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, cfg: Config):
+  """The VJP of `_kernel`'s five outputs for one chunk, recomputing the decays, A and T (fla's
+  prepare_wy_repr_bwd and chunk_bwd_dqkwg in one program). With X_w = Diag(beta) k e^gamma, X_u = Diag(beta) v,
+  W = T X_w, U = T X_u and M = I + Diag(beta) A, T = M^{-1}:
+    dT = dW X_w^T + dU X_u^T, dM = -T^T dT T^T, dA = strictly-lower(Diag(beta) dM), dX = T^T [dW, dU];
+    dKK = dA e^D, dQK = lower(dP) e^D (what reaches k k^T and q k^T); dD = dKK KK + dQK QK (what reaches D);
+    dq = dq_dec e^gamma + dQK k, dk = dX_w beta e^gamma + dk_end e^to_end + dQK^T q + (dKK + dKK^T) k,
+    dv = beta dX_u, dbeta = rowsum(dM A) + rowsum(dX_w k e^gamma) + rowsum(dX_u v);
+  dg_j sums the decay terms over the spans that hold j: gamma_t (t >= j), to_end_i (i < j), D_ti (i < j <= t).
+  The elementwise work and every dot run in float32 (operands and accumulation)."""
+  Cp, Kp = k_ref.shape
+  Vp = v_ref.shape[-1]
+  BK, BV, prec = cfg.bwd_block_k, cfg.bwd_block_v, cfg.prec
+  f32 = jnp.float32
+  g = g_ref[...].astype(f32)
+  beta = b_ref[...].astype(f32)
+  bcol = beta[:, None]
+  row, col, e_gam, e_end, decay = _decays(g, Cp)
+  KK = QK = dT = jnp.zeros((Cp, Cp), f32)
+  for j in range(Kp // BK):
+    ks = pl.ds(j * BK, BK)
+    k, q = k_ref[:, ks], q_ref[:, ks]
+    KK = KK + _dot(k, k, True, cfg.prec)
+    QK = QK + _dot(q, k, True, cfg.prec)
+    dT = dT + _dot(dw_ref[:, ks].astype(f32), bcol * (k.astype(f32) * e_gam), True, prec)
+  for j in range(Vp // BV):
+    vs = pl.ds(j * BV, BV)
+    dT = dT + _dot(du_ref[:, vs].astype(f32), bcol * v_ref[:, vs].astype(f32), True, prec)
+  A = jnp.where(row > col, KK * decay, 0.0)
+  T = _invert_unit_lower(bcol * A, prec)
+  dM = -_dot(_dot_ta(T, dT, prec), T, True, prec)  # -T^T dT T^T
+  dbeta = jnp.sum(dM * A, axis=1)
+  dKK = jnp.where(row > col, bcol * dM, 0.0) * decay
+  dQK = jnp.where(row >= col, dp_ref[...].astype(f32), 0.0) * decay
+  dD = dKK * KK + dQK * QK  # zero above the diagonal
+  dKs = dKK + dKK.T
+  dgam = dto_end = jnp.zeros((Cp,), f32)
+  for j in range(Kp // BK):
+    ks = pl.ds(j * BK, BK)
+    q, k = q_ref[:, ks].astype(f32), k_ref[:, ks].astype(f32)
+    dqd, dke = dqd_ref[:, ks].astype(f32), dke_ref[:, ks].astype(f32)
+    dXw = _dot_ta(T, dw_ref[:, ks].astype(f32), prec)
+    k_dec = k * e_gam
+    dgam = dgam + jnp.sum(dXw * k_dec * bcol + dqd * q * e_gam, axis=1)
+    dbeta = dbeta + jnp.sum(dXw * k_dec, axis=1)
+    dto_end = dto_end + jnp.sum(dke * k * e_end, axis=1)
+    dq_ref[:, ks] = (dqd * e_gam + _dot(dQK, k, False, prec)).astype(dq_ref.dtype)
+    dk = dXw * bcol * e_gam + dke * e_end + _dot_ta(dQK, q, prec) + _dot(dKs, k, False, prec)
+    dk_ref[:, ks] = dk.astype(dk_ref.dtype)
+  for j in range(Vp // BV):
+    vs = pl.ds(j * BV, BV)
+    dXu = _dot_ta(T, du_ref[:, vs].astype(f32), prec)
+    dbeta = dbeta + jnp.sum(dXu * v_ref[:, vs].astype(f32), axis=1)
+    dv_ref[:, vs] = (bcol * dXu).astype(dv_ref.dtype)
+  # dg_j = sum_{t >= j} dgam_t + sum_{i < j} dto_end_i + sum_{t >= j} sum_{i < j} dD_ti; the last inner sum is
+  # the inclusive row cumulative sum less its own term (a reverse cumulative sum does not lower to Triton).
+  dD_excl = jax.lax.cumsum(dD, axis=1) - dD  # [t, j]: sum_{i < j} dD_ti
+  dg = jnp.sum(jnp.where(row >= col, dD_excl + dgam[:, None], 0.0) + jnp.where(row < col, dto_end[:, None], 0.0),
+               axis=0)
+  dg_ref[...] = dg.astype(dg_ref.dtype)
+  db_ref[...] = dbeta.astype(db_ref.dtype)
 
 
 def _pad(x, *target):
@@ -175,6 +259,31 @@ def _forward(cfg: Config, q, k, v, g, beta):
   return q_dec[:, :C, :K], k_end[:, :C, :K], P[:, :C, :C], W[:, :C, :K], U[:, :C, :V]
 
 
+def _backward(cfg: Config, q, k, v, g, beta, cts):
+  """(dq, dk, dv, dg, dbeta) in the inputs' dtypes from the backward kernel; cts the cotangents of `_forward`'s
+  (q_dec, k_end, P, W, U), in k's dtype."""
+  L, C, K = k.shape
+  V = v.shape[-1]
+  Cp, Kp, Vp = pow2(C), pow2(K), pow2(V)
+  BK, BV = min(cfg.bwd_block_k, Kp), min(cfg.bwd_block_v, Vp)
+  dqd, dke, dP, dW, dU = cts
+  ins = [_pad(q, Cp, Kp), _pad(k, Cp, Kp), _pad(v, Cp, Vp), _pad(g, Cp), _pad(beta, Cp),
+         _pad(dqd, Cp, Kp), _pad(dke, Cp, Kp), _pad(dP, Cp, Cp), _pad(dW, Cp, Kp), _pad(dU, Cp, Vp)]
+  rows = lambda *s: pl.BlockSpec((None,) + s, lambda i: (i,) + (0,) * len(s))
+  kernel = functools.partial(_bwd_kernel, cfg=dataclasses.replace(cfg, bwd_block_k=BK, bwd_block_v=BV))
+  dq, dk, dv, dg, db = pl.pallas_call(
+      kernel, grid=(L,),
+      in_specs=[rows(Cp, Kp), rows(Cp, Kp), rows(Cp, Vp), rows(Cp), rows(Cp),
+                rows(Cp, Kp), rows(Cp, Kp), rows(Cp, Cp), rows(Cp, Kp), rows(Cp, Vp)],
+      out_specs=[rows(Cp, Kp), rows(Cp, Kp), rows(Cp, Vp), rows(Cp), rows(Cp)],
+      out_shape=[jax.ShapeDtypeStruct((L, Cp, Kp), q.dtype), jax.ShapeDtypeStruct((L, Cp, Kp), k.dtype),
+                 jax.ShapeDtypeStruct((L, Cp, Vp), v.dtype), jax.ShapeDtypeStruct((L, Cp), g.dtype),
+                 jax.ShapeDtypeStruct((L, Cp), beta.dtype)],
+      interpret=cfg.interpret, name="gdn_chunk_local_bwd",
+      compiler_params=pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))(*ins)
+  return dq[:, :C, :K], dk[:, :C, :K], dv[:, :C, :V], dg[:, :C], db[:, :C]
+
+
 def _reference(prec, q, k, v, g, beta):
   """The same five arrays from the XLA reference."""
   loc = intra_chunk.local(q, k, v, g, beta, None, beta_kind="head", prec=prec)
@@ -187,14 +296,19 @@ def _fused(cfg: Config, q, k, v, g, beta):
 
 
 def _fused_fwd(cfg, q, k, v, g, beta):
+  if cfg.bwd_kernel:
+    return _forward(cfg, q, k, v, g, beta), (q, k, v, g, beta)
   out, vjp = jax.vjp(functools.partial(_reference, cfg.ref_prec), q, k, v, g, beta)
   return out, (vjp, k)
 
 
 def _fused_bwd(cfg, res, cts):
-  vjp, k = res
-  odt = k.dtype  # every output's: a cotangent may come back wider (a float32 one for a bfloat16 P)
-  return vjp(tuple(ct.astype(odt) for ct in cts))
+  k = res[1]
+  cts = tuple(ct.astype(k.dtype) for ct in cts)  # every output's dtype: a cotangent may come back wider
+  if cfg.bwd_kernel:
+    return _backward(cfg, *res, cts)
+  vjp, _ = res
+  return vjp(cts)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -211,7 +325,8 @@ def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "block
     return intra_chunk.local(q, k, v, g, beta, masks, beta_kind=beta_kind, prec=prec, solver=solver)
   interpret = default_interpret() if interpret is None else interpret
   cfg = Config(prec=kernel_precision(prec, interpret), ref_prec=prec, block_k=pow2(block_k or BLOCK_K),
-               block_v=pow2(block_v or BLOCK_V), interpret=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+               block_v=pow2(block_v or BLOCK_V), interpret=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+               bwd_kernel=bool(BACKWARD_KERNEL), bwd_block_k=pow2(BWD_BLOCK_K), bwd_block_v=pow2(BWD_BLOCK_V))
   q_dec, k_end, P, W, U = _fused(cfg, q, k, v, g, beta)
   decay = jnp.exp(jnp.cumsum(g, axis=1)[..., -1:])  # as intra_chunk: the last inclusive cumulative log-decay
   return intra_chunk.Local(q_dec=q_dec, k_dec=None, k_end=k_end, decay=decay, P=P, A=None, W=W, U=U)
