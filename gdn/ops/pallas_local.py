@@ -186,23 +186,35 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dqd_ref, dke_ref, dp_ref, dw_
   beta = b_ref[...].astype(f32)
   bcol = beta[:, None]
   row, col, e_gam, e_end, decay = _decays(g, Cp)
-  KK = QK = dT = jnp.zeros((Cp, Cp), f32)
+  # Phases ordered so that few [Cp, Cp] float32 matrices are live at once (each is 32 registers a thread at
+  # Cp = 64 and 4 warps): A and T; then dT; then dKK, the decay-gradient dD and QK; then T, dQK, dKK + dKK^T.
+  KK = jnp.zeros((Cp, Cp), f32)
+  for j in range(Kp // BK):
+    k = k_ref[:, pl.ds(j * BK, BK)]
+    KK = KK + _dot(k, k, True, prec)
+  A = jnp.where(row > col, KK * decay, 0.0)
+  T = _invert_unit_lower(bcol * A, prec)
+  dT = jnp.zeros((Cp, Cp), f32)
   for j in range(Kp // BK):
     ks = pl.ds(j * BK, BK)
-    k, q = k_ref[:, ks], q_ref[:, ks]
-    KK = KK + _dot(k, k, True, cfg.prec)
-    QK = QK + _dot(q, k, True, cfg.prec)
-    dT = dT + _dot(dw_ref[:, ks].astype(f32), bcol * (k.astype(f32) * e_gam), True, prec)
+    dT = dT + _dot(dw_ref[:, ks].astype(f32), bcol * (k_ref[:, ks].astype(f32) * e_gam), True, prec)
   for j in range(Vp // BV):
     vs = pl.ds(j * BV, BV)
     dT = dT + _dot(du_ref[:, vs].astype(f32), bcol * v_ref[:, vs].astype(f32), True, prec)
-  A = jnp.where(row > col, KK * decay, 0.0)
-  T = _invert_unit_lower(bcol * A, prec)
   dM = -_dot(_dot_ta(T, dT, prec), T, True, prec)  # -T^T dT T^T
   dbeta = jnp.sum(dM * A, axis=1)
-  dKK = jnp.where(row > col, bcol * dM, 0.0) * decay
+  dA = jnp.where(row > col, bcol * dM, 0.0)
+  dD = dA * A  # zero above the diagonal, as every term of dD
+  dKK = dA * decay
+  QK = jnp.zeros((Cp, Cp), f32)
+  for j in range(Kp // BK):
+    ks = pl.ds(j * BK, BK)
+    QK = QK + _dot(q_ref[:, ks], k_ref[:, ks], True, prec)
   dQK = jnp.where(row >= col, dp_ref[...].astype(f32), 0.0) * decay
-  dD = dKK * KK + dQK * QK  # zero above the diagonal
+  dD = dD + dQK * QK
+  # dg_j's share of D: sum_{t >= j} sum_{i < j} dD_ti; the inner sum is the inclusive row cumulative sum less its
+  # own term (a reverse cumulative sum does not lower to Triton).
+  dg = jnp.sum(jnp.where(row >= col, jax.lax.cumsum(dD, axis=1) - dD, 0.0), axis=0)
   dKs = dKK + dKK.T
   dgam = dto_end = jnp.zeros((Cp,), f32)
   for j in range(Kp // BK):
@@ -222,11 +234,8 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dqd_ref, dke_ref, dp_ref, dw_
     dXu = _dot_ta(T, du_ref[:, vs].astype(f32), prec)
     dbeta = dbeta + jnp.sum(dXu * v_ref[:, vs].astype(f32), axis=1)
     dv_ref[:, vs] = (bcol * dXu).astype(dv_ref.dtype)
-  # dg_j = sum_{t >= j} dgam_t + sum_{i < j} dto_end_i + sum_{t >= j} sum_{i < j} dD_ti; the last inner sum is
-  # the inclusive row cumulative sum less its own term (a reverse cumulative sum does not lower to Triton).
-  dD_excl = jax.lax.cumsum(dD, axis=1) - dD  # [t, j]: sum_{i < j} dD_ti
-  dg = jnp.sum(jnp.where(row >= col, dD_excl + dgam[:, None], 0.0) + jnp.where(row < col, dto_end[:, None], 0.0),
-               axis=0)
+  # dg_j's shares of gamma_t (t >= j) and to_end_i (i < j)
+  dg = dg + jnp.sum(jnp.where(row >= col, dgam[:, None], 0.0) + jnp.where(row < col, dto_end[:, None], 0.0), axis=0)
   dg_ref[...] = dg.astype(dg_ref.dtype)
   db_ref[...] = dbeta.astype(db_ref.dtype)
 
