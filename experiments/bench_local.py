@@ -101,7 +101,7 @@ def stage_backward(x, prec):
       prec=pallas_local.kernel_precision(prec, interpret), ref_prec=prec, block_k=pallas_local.BLOCK_K,
       block_v=pallas_local.BLOCK_V, interpret=interpret, num_warps=pallas_local.NUM_WARPS,
       num_stages=pallas_local.NUM_STAGES, bwd_kernel=True, bwd_block_k=pallas_local.BWD_BLOCK_K,
-      bwd_block_v=pallas_local.BWD_BLOCK_V)
+      bwd_block_v=pallas_local.BWD_BLOCK_V, bwd_num_warps=pallas_local.BWD_NUM_WARPS)
   return {"local bwd xla": (jax.jit(lambda vjp, cts: vjp(cts)), (vjp, cts)),
           "local bwd kernel": (jax.jit(lambda x, cts: pallas_local._backward(cfg, *x, cts)), (tuple(x), cts))}
 
@@ -159,14 +159,16 @@ def main(argv=None):
   p.add_argument("--num-stages", type=int, default=pallas_local.NUM_STAGES, help="pallas_local.NUM_STAGES")
   p.add_argument("--bwd-block-k", type=int, default=pallas_local.BWD_BLOCK_K, help="pallas_local.BWD_BLOCK_K")
   p.add_argument("--bwd-block-v", type=int, default=pallas_local.BWD_BLOCK_V, help="pallas_local.BWD_BLOCK_V")
+  p.add_argument("--bwd-num-warps", type=int, default=pallas_local.BWD_NUM_WARPS, help="pallas_local.BWD_NUM_WARPS")
   a = p.parse_args(argv)
   pallas_local.BLOCK_K, pallas_local.BLOCK_V = a.block_k, a.block_v
   pallas_local.BWD_BLOCK_K, pallas_local.BWD_BLOCK_V = a.bwd_block_k, a.bwd_block_v
+  pallas_local.BWD_NUM_WARPS = a.bwd_num_warps
   pallas_local.NUM_WARPS, pallas_local.NUM_STAGES = a.num_warps, a.num_stages
   print(f"# chunk-local stage: XLA vs fused Pallas, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
         f"chunk 64, median of {a.reps}; FUSED_LOCAL default {pallas_chunk.FUSED_LOCAL}; kernel block_k {a.block_k}, "
         f"block_v {a.block_v}, {a.num_warps} warps, {a.num_stages} stages; backward kernel blocks {a.bwd_block_k}, "
-        f"{a.bwd_block_v}")
+        f"{a.bwd_block_v}, {a.bwd_num_warps} warps")
   if a.check_shape:
     check(tuple(map(int, a.check_shape.split(","))))
   shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else PRESETS["h200"]["shapes"]

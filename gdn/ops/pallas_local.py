@@ -30,7 +30,8 @@ Gradients: `jax.custom_vjp` whose forward rule, run when the op is differentiate
 (`intra_chunk.local` on the same inputs) with its VJP as residual, so only forward-only calls (evaluation,
 prefill, generation) run the kernel. On the H200 the first version, kernel forward then the reference
 recomputed in the backward, cost 2-4% more in forward+backward than XLA alone (docs/benchmarks.md); a training
-step now runs exactly the XLA program.
+step now runs exactly the XLA program. With `BACKWARD_KERNEL` on, the forward rule runs the kernel and saves its
+inputs, and the backward rule runs `_bwd_kernel`, which recomputes the decays, A and T per chunk.
 
 Triton constraints the kernel keeps (Pallas' interpreter checks none of them): power-of-two blocks, at least 16
 along every dot dimension, 2-D dots, static slices of refs only, no slicing of loaded values (blocks are
@@ -61,11 +62,14 @@ NUM_WARPS = 4
 NUM_STAGES = 1
 # The backward kernel (`_bwd_kernel`): None or False runs XLA's chunk-local forward and its `jax.vjp` when the op is
 # differentiated (today's rule); True runs the fused forward kernel, saves only its inputs and runs the backward
-# kernel. Read at the call (trace time), as FUSED_LOCAL is. Its K and V blocks: it holds three [Cp, Cp] float32
-# matrices (T, dQK, dKK + dKK^T) through its K loop, beside five [Cp, BK] ones, so it reads half the forward's.
+# kernel. Read at the call (trace time), as FUSED_LOCAL is. Its blocks and warps: it holds three to five [Cp, Cp]
+# float32 matrices at once; offline for sm_90 (Triton 3.9, bfloat16, C = 64, K = V = 128) it takes 255 registers
+# a thread in every setting tried, with 236 bytes of spill stores at blocks of 32 and 8 warps, 552 at 64 and 8
+# warps, 836 at 32 and 4 warps, 1104 at 64 and 4 warps. Not yet timed on the card.
 BACKWARD_KERNEL: Optional[bool] = False
-BWD_BLOCK_K = 64
-BWD_BLOCK_V = 64
+BWD_BLOCK_K = 32
+BWD_BLOCK_V = 32
+BWD_NUM_WARPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +85,7 @@ class Config:
   bwd_kernel: bool = False  # BACKWARD_KERNEL at the call
   bwd_block_k: int = 64
   bwd_block_v: int = 64
+  bwd_num_warps: int = 4
 
 
 def supports(g, beta, masks, beta_kind: str, dtype) -> bool:
@@ -177,7 +182,8 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dqd_ref, dke_ref, dp_ref, dw_
     dq = dq_dec e^gamma + dQK k, dk = dX_w beta e^gamma + dk_end e^to_end + dQK^T q + (dKK + dKK^T) k,
     dv = beta dX_u, dbeta = rowsum(dM A) + rowsum(dX_w k e^gamma) + rowsum(dX_u v);
   dg_j sums the decay terms over the spans that hold j: gamma_t (t >= j), to_end_i (i < j), D_ti (i < j <= t).
-  The elementwise work and every dot run in float32 (operands and accumulation)."""
+  k k^T and q k^T take the inputs' dtype, as in the forward; the other dots float32 operands; the elementwise
+  work is float32."""
   Cp, Kp = k_ref.shape
   Vp = v_ref.shape[-1]
   BK, BV, prec = cfg.bwd_block_k, cfg.bwd_block_v, cfg.prec
@@ -215,25 +221,33 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dqd_ref, dke_ref, dp_ref, dw_
   # dg_j's share of D: sum_{t >= j} sum_{i < j} dD_ti; the inner sum is the inclusive row cumulative sum less its
   # own term (a reverse cumulative sum does not lower to Triton).
   dg = jnp.sum(jnp.where(row >= col, jax.lax.cumsum(dD, axis=1) - dD, 0.0), axis=0)
-  dKs = dKK + dKK.T
+  dKs = dKK + dKK.T  # symmetric
+  # dq first, then T and dQK transposed once (the originals die): the dk loop reads only T^T, dQK^T and dKs.
   dgam = dto_end = jnp.zeros((Cp,), f32)
   for j in range(Kp // BK):
     ks = pl.ds(j * BK, BK)
-    q, k = q_ref[:, ks].astype(f32), k_ref[:, ks].astype(f32)
-    dqd, dke = dqd_ref[:, ks].astype(f32), dke_ref[:, ks].astype(f32)
-    dXw = _dot_ta(T, dw_ref[:, ks].astype(f32), prec)
-    k_dec = k * e_gam
-    dgam = dgam + jnp.sum(dXw * k_dec * bcol + dqd * q * e_gam, axis=1)
-    dbeta = dbeta + jnp.sum(dXw * k_dec, axis=1)
-    dto_end = dto_end + jnp.sum(dke * k * e_end, axis=1)
-    dq_ref[:, ks] = (dqd * e_gam + _dot(dQK, k, False, prec)).astype(dq_ref.dtype)
-    dk = dXw * bcol * e_gam + dke * e_end + _dot_ta(dQK, q, prec) + _dot(dKs, k, False, prec)
-    dk_ref[:, ks] = dk.astype(dk_ref.dtype)
+    q_dec = q_ref[:, ks].astype(f32) * e_gam
+    dqd = dqd_ref[:, ks].astype(f32)
+    dgam = dgam + jnp.sum(dqd * q_dec, axis=1)
+    dq_ref[:, ks] = (dqd * e_gam + _dot(dQK, k_ref[:, ks].astype(f32), False, prec)).astype(dq_ref.dtype)
+  Tt, dQKt = T.T, dQK.T
   for j in range(Vp // BV):
     vs = pl.ds(j * BV, BV)
-    dXu = _dot_ta(T, du_ref[:, vs].astype(f32), prec)
+    dXu = _dot(Tt, du_ref[:, vs].astype(f32), False, prec)
     dbeta = dbeta + jnp.sum(dXu * v_ref[:, vs].astype(f32), axis=1)
     dv_ref[:, vs] = (bcol * dXu).astype(dv_ref.dtype)
+  for j in range(Kp // BK):
+    ks = pl.ds(j * BK, BK)
+    k = k_ref[:, ks].astype(f32)
+    dke = dke_ref[:, ks].astype(f32)
+    dXw = _dot(Tt, dw_ref[:, ks].astype(f32), False, prec)
+    k_dec = k * e_gam
+    dgam = dgam + jnp.sum(dXw * k_dec * bcol, axis=1)
+    dbeta = dbeta + jnp.sum(dXw * k_dec, axis=1)
+    dto_end = dto_end + jnp.sum(dke * k * e_end, axis=1)
+    dk = (dXw * bcol * e_gam + dke * e_end + _dot(dQKt, q_ref[:, ks].astype(f32), False, prec)
+          + _dot(dKs, k, False, prec))
+    dk_ref[:, ks] = dk.astype(dk_ref.dtype)
   # dg_j's shares of gamma_t (t >= j) and to_end_i (i < j)
   dg = dg + jnp.sum(jnp.where(row >= col, dgam[:, None], 0.0) + jnp.where(row < col, dto_end[:, None], 0.0), axis=0)
   dg_ref[...] = dg.astype(dg_ref.dtype)
@@ -289,7 +303,7 @@ def _backward(cfg: Config, q, k, v, g, beta, cts):
                  jax.ShapeDtypeStruct((L, Cp, Vp), v.dtype), jax.ShapeDtypeStruct((L, Cp), g.dtype),
                  jax.ShapeDtypeStruct((L, Cp), beta.dtype)],
       interpret=cfg.interpret, name="gdn_chunk_local_bwd",
-      compiler_params=pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))(*ins)
+      compiler_params=pl_triton.CompilerParams(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages))(*ins)
   return dq[:, :C, :K], dk[:, :C, :K], dv[:, :C, :V], dg[:, :C], db[:, :C]
 
 
@@ -335,7 +349,8 @@ def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "block
   interpret = default_interpret() if interpret is None else interpret
   cfg = Config(prec=kernel_precision(prec, interpret), ref_prec=prec, block_k=pow2(block_k or BLOCK_K),
                block_v=pow2(block_v or BLOCK_V), interpret=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-               bwd_kernel=bool(BACKWARD_KERNEL), bwd_block_k=pow2(BWD_BLOCK_K), bwd_block_v=pow2(BWD_BLOCK_V))
+               bwd_kernel=bool(BACKWARD_KERNEL), bwd_block_k=pow2(BWD_BLOCK_K), bwd_block_v=pow2(BWD_BLOCK_V),
+               bwd_num_warps=BWD_NUM_WARPS)
   q_dec, k_end, P, W, U = _fused(cfg, q, k, v, g, beta)
   decay = jnp.exp(jnp.cumsum(g, axis=1)[..., -1:])  # as intra_chunk: the last inclusive cumulative log-decay
   return intra_chunk.Local(q_dec=q_dec, k_dec=None, k_end=k_end, decay=decay, P=P, A=None, W=W, U=U)
