@@ -2,7 +2,9 @@
 (`intra_chunk.local`), alone and inside `method="pallas"` (switch `pallas_chunk.FUSED_LOCAL` off / on).
 
 (a) accuracy: max relative error of each field against `intra_chunk.local`, float32 and bfloat16, at one shape;
-(b) time: median ms of the chunk-local stage (forward) and of the whole op (forward, forward+backward) per shape.
+(b) time: median ms of the chunk-local stage (forward; backward alone: XLA's VJP from saved residuals vs the
+    backward kernel) and of the whole op (forward, forward+backward) per shape, with FUSED_LOCAL off / on and
+    with both FUSED_LOCAL and `pallas_local.BACKWARD_KERNEL` on ("bwd kernel").
 Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head decay and beta; a failing variant prints its error's
 last line and the rest go on.
 
@@ -72,18 +74,36 @@ def _last_line(e):
   return lines[-1][:200] if lines else type(e).__name__
 
 
-def op_fn(fused: bool):
-  """`gated_delta_rule(method="pallas")` traced with FUSED_LOCAL set as asked (read at trace time)."""
+def op_fn(fused: bool, backward_kernel: bool = False):
+  """`gated_delta_rule(method="pallas")` traced with FUSED_LOCAL and BACKWARD_KERNEL set as asked (read at trace
+  time)."""
 
   def f(q, k, v, g, b):
-    old = pallas_chunk.FUSED_LOCAL
-    pallas_chunk.FUSED_LOCAL = fused
+    old = pallas_chunk.FUSED_LOCAL, pallas_local.BACKWARD_KERNEL
+    pallas_chunk.FUSED_LOCAL, pallas_local.BACKWARD_KERNEL = fused, backward_kernel
     try:
       return gated_delta_rule(q, k, v, g, b, method="pallas", chunk_size=64)[0]
     finally:
-      pallas_chunk.FUSED_LOCAL = old
+      pallas_chunk.FUSED_LOCAL, pallas_local.BACKWARD_KERNEL = old
 
   return f
+
+
+def stage_backward(x, prec):
+  """{name: (fn, args)}: the stage's backward alone, XLA's VJP of `intra_chunk.local` from residuals saved by a
+  separate call, and the backward kernel (which recomputes what it needs from the inputs), for the same random
+  cotangents of (q_dec, k_end, P, W, U)."""
+  outs, vjp = jax.jit(lambda *a: jax.vjp(lambda *b: pallas_local._reference(prec, *b), *a))(*x)
+  rng = np.random.default_rng(0)
+  cts = tuple(jnp.asarray(rng.normal(size=o.shape), o.dtype) for o in outs)
+  interpret = pallas_chunk.default_interpret()
+  cfg = pallas_local.Config(
+      prec=pallas_local.kernel_precision(prec, interpret), ref_prec=prec, block_k=pallas_local.BLOCK_K,
+      block_v=pallas_local.BLOCK_V, interpret=interpret, num_warps=pallas_local.NUM_WARPS,
+      num_stages=pallas_local.NUM_STAGES, bwd_kernel=True, bwd_block_k=pallas_local.BWD_BLOCK_K,
+      bwd_block_v=pallas_local.BWD_BLOCK_V, bwd_num_warps=pallas_local.BWD_NUM_WARPS)
+  return {"local bwd xla": (jax.jit(lambda vjp, cts: vjp(cts)), (vjp, cts)),
+          "local bwd kernel": (jax.jit(lambda x, cts: pallas_local._backward(cfg, *x, cts)), (tuple(x), cts))}
 
 
 def time_shape(shape, dtype, reps):
@@ -101,22 +121,30 @@ def time_shape(shape, dtype, reps):
   kw = dict(beta_kind="head", prec=prec)
   run("local xla", lambda: timed(jax.jit(lambda *a: fields(intra_chunk.local(*a, None, **kw))), x, reps))
   run("local pallas", lambda: timed(jax.jit(lambda *a: fields(pallas_local.local(*a, None, **kw))), x, reps))
+  try:
+    for name, (fn, fargs) in stage_backward(x, prec).items():
+      run(name, lambda: timed(fn, fargs, reps))
+  except Exception as e:  # report and go on
+    row["local bwd xla"] = f"failed: {_last_line(e)}"
+    print(f"  {shape} local bwd: {row['local bwd xla']}", flush=True)
   args, rng = inputs(shape, dtype)
   do = jnp.asarray(rng.normal(size=args[2].shape), dtype)
-  for fused in (False, True):
-    f = op_fn(fused)
+  for fused, bwd_kernel in ((False, False), (True, False), (True, True)):
+    f = op_fn(fused, bwd_kernel)
 
     def fwd_bwd(*a, f=f):
       _, vjp = jax.vjp(f, *a)
       return vjp(do)
 
-    tag = "on" if fused else "off"
-    run(f"op fwd {tag}", lambda: timed(jax.jit(f), args, reps))
+    tag = "bwd kernel" if bwd_kernel else "on" if fused else "off"
+    if not bwd_kernel:  # the forward does not change with BACKWARD_KERNEL
+      run(f"op fwd {tag}", lambda: timed(jax.jit(f), args, reps))
     run(f"op fwd+bwd {tag}", lambda: timed(jax.jit(fwd_bwd), args, reps))
   return row
 
 
-COLUMNS = ("local xla", "local pallas", "op fwd off", "op fwd on", "op fwd+bwd off", "op fwd+bwd on")
+COLUMNS = ("local xla", "local pallas", "local bwd xla", "local bwd kernel", "op fwd off", "op fwd on",
+           "op fwd+bwd off", "op fwd+bwd on", "op fwd+bwd bwd kernel")
 
 
 def main(argv=None):
@@ -129,12 +157,18 @@ def main(argv=None):
   p.add_argument("--block-v", type=int, default=pallas_local.BLOCK_V, help="pallas_local.BLOCK_V")
   p.add_argument("--num-warps", type=int, default=pallas_local.NUM_WARPS, help="pallas_local.NUM_WARPS")
   p.add_argument("--num-stages", type=int, default=pallas_local.NUM_STAGES, help="pallas_local.NUM_STAGES")
+  p.add_argument("--bwd-block-k", type=int, default=pallas_local.BWD_BLOCK_K, help="pallas_local.BWD_BLOCK_K")
+  p.add_argument("--bwd-block-v", type=int, default=pallas_local.BWD_BLOCK_V, help="pallas_local.BWD_BLOCK_V")
+  p.add_argument("--bwd-num-warps", type=int, default=pallas_local.BWD_NUM_WARPS, help="pallas_local.BWD_NUM_WARPS")
   a = p.parse_args(argv)
   pallas_local.BLOCK_K, pallas_local.BLOCK_V = a.block_k, a.block_v
+  pallas_local.BWD_BLOCK_K, pallas_local.BWD_BLOCK_V = a.bwd_block_k, a.bwd_block_v
+  pallas_local.BWD_NUM_WARPS = a.bwd_num_warps
   pallas_local.NUM_WARPS, pallas_local.NUM_STAGES = a.num_warps, a.num_stages
   print(f"# chunk-local stage: XLA vs fused Pallas, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
         f"chunk 64, median of {a.reps}; FUSED_LOCAL default {pallas_chunk.FUSED_LOCAL}; kernel block_k {a.block_k}, "
-        f"block_v {a.block_v}, {a.num_warps} warps, {a.num_stages} stages")
+        f"block_v {a.block_v}, {a.num_warps} warps, {a.num_stages} stages; backward kernel blocks {a.bwd_block_k}, "
+        f"{a.bwd_block_v}, {a.bwd_num_warps} warps")
   if a.check_shape:
     check(tuple(map(int, a.check_shape.split(","))))
   shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else PRESETS["h200"]["shapes"]
@@ -142,15 +176,18 @@ def main(argv=None):
   rows = []
   for shape in shapes:
     rows.append((shape, time_shape(shape, dtype, a.reps)))
-  print(f"## median ms, {a.dtype}: chunk-local stage forward (XLA, Pallas), whole op method='pallas' with "
-        "FUSED_LOCAL off / on")
-  print("| B, T, H, D | " + " | ".join(COLUMNS) + " | local speedup | fwd+bwd speedup |")
-  print("|---|" + "---|" * (len(COLUMNS) + 2))
+  print(f"## median ms, {a.dtype}: chunk-local stage forward (XLA, Pallas) and backward alone (XLA VJP, kernel), "
+        "whole op method='pallas' with FUSED_LOCAL off / on / on with BACKWARD_KERNEL")
+  print("| B, T, H, D | " + " | ".join(COLUMNS) + " | local speedup | local bwd speedup | fwd+bwd speedup (on, bwd "
+        "kernel; over off) |")
+  print("|---|" + "---|" * (len(COLUMNS) + 3))
   for shape, row in rows:
     ratio = lambda x, y: (f"{float(row[x]) / float(row[y]):.2f}x"
                           if all(not row.get(n, "f").startswith("f") for n in (x, y)) else "-")
     print(f"| {', '.join(map(str, shape))} | " + " | ".join(row.get(c, "-") for c in COLUMNS)
-          + f" | {ratio('local xla', 'local pallas')} | {ratio('op fwd+bwd off', 'op fwd+bwd on')} |", flush=True)
+          + f" | {ratio('local xla', 'local pallas')} | {ratio('local bwd xla', 'local bwd kernel')} | "
+          f"{ratio('op fwd+bwd off', 'op fwd+bwd on')}, {ratio('op fwd+bwd off', 'op fwd+bwd bwd kernel')} |",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,47 @@ def test_gradients_are_the_xla_references():
     assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
 
 
+def _stage_grads(args, prec, interpret=True, seed=8):
+  """(kernel's, reference's) gradients of the stage's five kernel outputs for random cotangents."""
+  outs, vjp = jax.vjp(lambda *a: pallas_local._reference(prec, *a), *args)
+  rng = np.random.default_rng(seed)
+  cts = tuple(jnp.asarray(rng.normal(size=o.shape), o.dtype) for o in outs)
+  cfg = pallas_local.Config(prec=pallas_local.kernel_precision(prec, interpret), ref_prec=prec, block_k=64,
+                            block_v=64, interpret=interpret, num_warps=4, num_stages=1, bwd_kernel=True,
+                            bwd_block_k=16, bwd_block_v=32)
+  got = jax.jit(lambda *a: pallas_local._backward(cfg, *a[:5], a[5:]))(*args, *cts)
+  return got, vjp(cts)
+
+
+# (L, C, K, V, strong): as CHUNK_CASES, with the backward's blocks of 16 keys and 32 values (several loop steps);
+# `strong` puts a total forgetting (-1e4), -30, then decays within 1e-3 of 1 in each chunk.
+@pytest.mark.parametrize("L, C, K, V, strong", [(2, 64, 32, 48, True), (3, 8, 5, 19, False), (2, 32, 16, 64, True)])
+def test_backward_kernel_float32_equals_vjp(L, C, K, V, strong):
+  args = chunk_inputs(9, L, C, K, V, jnp.float32, strong)
+  got, want = _stage_grads(args, jax.lax.Precision.HIGHEST)
+  for name, a, b in zip("q k v g beta".split(), got, want):
+    assert a.shape == b.shape and a.dtype == b.dtype, name
+    assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+
+
+def test_backward_kernel_bfloat16_equals_vjp():
+  args = chunk_inputs(10, 2, 64, 32, 48, jnp.bfloat16, strong=True)
+  got, want = _stage_grads(args, jax.lax.Precision.DEFAULT)
+  for name, a, b in zip("q k v g beta".split(), got, want):
+    assert a.dtype == b.dtype, name
+    assert rel_err(a, b) <= 2e-2, (name, rel_err(a, b))
+
+
+def test_backward_switch_runs_the_kernels(monkeypatch):
+  """BACKWARD_KERNEL on: the differentiated stage runs the forward and backward kernels (no XLA reference)."""
+  monkeypatch.setattr(pallas_local, "BACKWARD_KERNEL", True)
+  monkeypatch.setattr(pallas_local, "_reference", None)  # would fail if called
+  args = chunk_inputs(11, 1, 16, 16, 16, jnp.float32)
+  f = lambda *a: pallas_local.local(*a, None, beta_kind="head", prec=jax.lax.Precision.HIGHEST).W.sum()
+  grads = jax.grad(f, argnums=(0, 1, 2, 3, 4))(*args)
+  assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+
+
 def test_other_variants_fall_back_to_xla():
   """Segment masks, per-key-channel decay and no beta go to `intra_chunk.local` (A set), raising nothing."""
   q, k, v, g, beta = chunk_inputs(4, 2, 16, 16, 16, jnp.float32)
@@ -92,10 +133,13 @@ def test_other_variants_fall_back_to_xla():
   assert not pallas_local.supports(g, beta, (None,), "head", jnp.float32)
 
 
-def _fused_op(monkeypatch, x, chunk_size):
+def _fused_op(monkeypatch, x, chunk_size, backward_kernel=False):
   """Forward, final state and all gradients of `gated_delta_rule(method="pallas")` with FUSED_LOCAL on (a jit of
-  its own: the switch is read at trace time)."""
+  its own: the switch is read at trace time), and pallas_local.BACKWARD_KERNEL as asked."""
   monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", True)
+  monkeypatch.setattr(pallas_local, "BACKWARD_KERNEL", backward_kernel)
+  if backward_kernel:
+    monkeypatch.setattr(pallas_local, "_reference", None)  # the stage's XLA forward and VJP must not run
   diff, seg, co = vjp_inputs(x)
 
   op = lambda d: ops.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"],
@@ -106,7 +150,8 @@ def _fused_op(monkeypatch, x, chunk_size):
     (grads,) = vjp((co[0].astype(o.dtype), co[1].astype(S.dtype)))
     return grads
 
-  # The kernel runs in forward-only calls; a differentiated call's forward is XLA's (pallas_local's custom_vjp).
+  # The kernel runs in forward-only calls; a differentiated call's forward is XLA's (pallas_local's custom_vjp),
+  # or with BACKWARD_KERNEL the forward kernel, then the backward kernel.
   o, S = jax.jit(op)(diff)
   grads = jax.jit(f)(diff)
   return (np.asarray(o, np.float64), np.asarray(S, np.float64),
@@ -126,6 +171,39 @@ def test_fused_op_bfloat16_against_oracle(monkeypatch):
   x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
            for n, a in x_bf.items()}
   assert_close(_fused_op(monkeypatch, x_bf, 16), oracle(x_ref), 2e-2, "bf16 pallas with the fused kernel")
+
+
+def test_fused_op_with_backward_kernel_float32_against_oracle(monkeypatch):
+  x = make_inputs(35, 2, 40, 1, 2, 16, 19, "head", "head")
+  assert_close(_fused_op(monkeypatch, x, 16, backward_kernel=True), oracle(x), 1e-5,
+               "pallas with the fused chunk-local kernels, forward and backward")
+
+
+def test_fused_op_with_backward_kernel_bfloat16_against_oracle(monkeypatch):
+  x = make_inputs(36, 1, 48, 2, 2, 16, 16, "head", "head")
+  x_bf = {n: a if a is None or n in ("segment_ids", "initial_state") else jnp.asarray(a, jnp.bfloat16)
+          for n, a in x.items()}
+  x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
+           for n, a in x_bf.items()}
+  assert_close(_fused_op(monkeypatch, x_bf, 16, backward_kernel=True), oracle(x_ref), 2e-2,
+               "bf16 pallas with the fused kernels, forward and backward")
+
+
+def test_backward_kernel_lowers_to_triton(monkeypatch):
+  """With BACKWARD_KERNEL the differentiated stage lowers to two Triton kernels for CUDA, the forward's and the
+  backward's (bfloat16 at C = 64, K = V = 128)."""
+  monkeypatch.setattr(pallas_local, "BACKWARD_KERNEL", True)
+  args = chunk_inputs(12, 2, 64, 128, 128, jnp.bfloat16)
+  pick = lambda loc: (loc.q_dec, loc.k_end, loc.P, loc.W, loc.U)
+  stage = lambda *a: pick(pallas_local.local(*a, None, beta_kind="head", prec=jax.lax.Precision.DEFAULT,
+                                             interpret=False))
+
+  def f(*a):
+    outs, vjp = jax.vjp(stage, *a)
+    return vjp(outs)
+
+  hlo = cuda_hlo(jax.jit(f), *args)
+  assert hlo.count("__gpu$xla.gpu.triton") == 2 and "gdn_chunk_local_bwd" in hlo
 
 
 def test_kernel_lowers_to_triton():
@@ -161,6 +239,31 @@ def test_compiled_op_on_gpu(monkeypatch, dtype, tol):
   x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
            for n, a in x.items()}
   assert_close(_fused_op(monkeypatch, x, 64), oracle(x_ref), tol, f"gpu pallas fused local {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
+def test_compiled_backward_on_gpu(dtype, tol):
+  """The compiled backward kernel at C = 64, K = V = 128 against jax.vjp of intra_chunk.local."""
+  args = chunk_inputs(13, 256, 64, 128, 128, jnp.dtype(dtype), strong=True)
+  prec = jax.lax.Precision.HIGHEST if dtype == "float32" else jax.lax.Precision.DEFAULT
+  got, want = _stage_grads(args, prec, interpret=False)
+  for name, a, b in zip("q k v g beta".split(), got, want):
+    assert rel_err(a, b) <= tol, (name, rel_err(a, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
+def test_compiled_op_with_backward_kernel_on_gpu(monkeypatch, dtype, tol):
+  """As test_compiled_op_on_gpu, with BACKWARD_KERNEL on."""
+  x = make_inputs(37, 2, 1024, 4, 4, 128, 128, "head", "head")
+  if dtype == "bfloat16":
+    x = {n: a if a is None or n in ("segment_ids", "initial_state") else jnp.asarray(a, jnp.bfloat16)
+         for n, a in x.items()}
+  x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
+           for n, a in x.items()}
+  assert_close(_fused_op(monkeypatch, x, 64, backward_kernel=True), oracle(x_ref), tol,
+               f"gpu pallas fused local forward and backward {dtype}")
 
 
 def test_default_uses_the_kernel_only_where_it_compiles(monkeypatch):

@@ -30,7 +30,8 @@ Gradients: `jax.custom_vjp` whose forward rule, run when the op is differentiate
 (`intra_chunk.local` on the same inputs) with its VJP as residual, so only forward-only calls (evaluation,
 prefill, generation) run the kernel. On the H200 the first version, kernel forward then the reference
 recomputed in the backward, cost 2-4% more in forward+backward than XLA alone (docs/benchmarks.md); a training
-step now runs exactly the XLA program.
+step now runs exactly the XLA program. With `BACKWARD_KERNEL` on, the forward rule runs the kernel and saves its
+inputs, and the backward rule runs `_bwd_kernel`, which recomputes the decays, A and T per chunk.
 
 Triton constraints the kernel keeps (Pallas' interpreter checks none of them): power-of-two blocks, at least 16
 along every dot dimension, 2-D dots, static slices of refs only, no slicing of loaded values (blocks are
@@ -59,6 +60,16 @@ BLOCK_K = 128
 BLOCK_V = 128
 NUM_WARPS = 4
 NUM_STAGES = 1
+# The backward kernel (`_bwd_kernel`): None or False runs XLA's chunk-local forward and its `jax.vjp` when the op is
+# differentiated (today's rule); True runs the fused forward kernel, saves only its inputs and runs the backward
+# kernel. Read at the call (trace time), as FUSED_LOCAL is. Its blocks and warps: it holds three to five [Cp, Cp]
+# float32 matrices at once; offline for sm_90 (Triton 3.9, bfloat16, C = 64, K = V = 128) it takes 255 registers
+# a thread in every setting tried, with 236 bytes of spill stores at blocks of 32 and 8 warps, 552 at 64 and 8
+# warps, 836 at 32 and 4 warps, 1104 at 64 and 4 warps. Not yet timed on the card.
+BACKWARD_KERNEL: Optional[bool] = False
+BWD_BLOCK_K = 32
+BWD_BLOCK_V = 32
+BWD_NUM_WARPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +82,10 @@ class Config:
   interpret: bool
   num_warps: int
   num_stages: int
+  bwd_kernel: bool = False  # BACKWARD_KERNEL at the call
+  bwd_block_k: int = 64
+  bwd_block_v: int = 64
+  bwd_num_warps: int = 4
 
 
 def supports(g, beta, masks, beta_kind: str, dtype) -> bool:
@@ -83,6 +98,11 @@ def _dot(a, b, tb: bool, prec):
   """a @ b (b read transposed with tb), 2-D operands, accumulated in float32."""
   dims = (((1,), (1 if tb else 0,)), ((), ()))
   return jax.lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
+
+
+def _dot_ta(a, b, prec):
+  """a^T @ b, 2-D operands, accumulated in float32."""
+  return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
 def _invert_unit_lower(bA, prec):
@@ -114,19 +134,24 @@ def _invert_unit_lower(bA, prec):
   return T
 
 
-def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref, w_ref, u_ref, *, cfg: Config):
-  Cp, Kp = k_ref.shape
-  Vp = v_ref.shape[-1]
-  f32 = jnp.float32
-  g = g_ref[...].astype(f32)
-  beta = b_ref[...].astype(f32)
+def _decays(g, Cp):
+  """row, col iotas [Cp, Cp]; e^gamma, e^to_end [Cp, 1]; the decays e^D [Cp, Cp] (zero above the diagonal)."""
   row = jax.lax.broadcasted_iota(jnp.int32, (Cp, Cp), 0)
   col = jax.lax.broadcasted_iota(jnp.int32, (Cp, Cp), 1)
   gam = jax.lax.cumsum(g, axis=0)  # sum_{j <= t} g_j
   seg = jax.lax.cumsum(jnp.where(row > col, g[:, None], 0.0), axis=0)  # [t, i]: sum_{i < j <= t} g_j
   to_end = jnp.sum(jnp.where(row == Cp - 1, seg, 0.0), axis=0)  # its last row: sum_{j > i} g_j
   decay = jnp.where(row >= col, jnp.exp(seg), 0.0)
-  e_gam, e_end = jnp.exp(gam)[:, None], jnp.exp(to_end)[:, None]
+  return row, col, jnp.exp(gam)[:, None], jnp.exp(to_end)[:, None], decay
+
+
+def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref, w_ref, u_ref, *, cfg: Config):
+  Cp, Kp = k_ref.shape
+  Vp = v_ref.shape[-1]
+  f32 = jnp.float32
+  g = g_ref[...].astype(f32)
+  beta = b_ref[...].astype(f32)
+  row, col, e_gam, e_end, decay = _decays(g, Cp)
   KK = QK = jnp.zeros((Cp, Cp), f32)
   for j in range(Kp // cfg.block_k):
     ks = pl.ds(j * cfg.block_k, cfg.block_k)
@@ -145,6 +170,88 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref, w_ref,
   for j in range(Vp // cfg.block_v):
     vs = pl.ds(j * cfg.block_v, cfg.block_v)
     u_ref[:, vs] = _dot(T, beta[:, None] * v_ref[:, vs].astype(f32), False, cfg.prec).astype(u_ref.dtype)
+
+
+def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dqd_ref, dke_ref, dp_ref, dw_ref, du_ref,
+                dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, cfg: Config):
+  """The VJP of `_kernel`'s five outputs for one chunk, recomputing the decays, A and T (fla's
+  prepare_wy_repr_bwd and chunk_bwd_dqkwg in one program). With X_w = Diag(beta) k e^gamma, X_u = Diag(beta) v,
+  W = T X_w, U = T X_u and M = I + Diag(beta) A, T = M^{-1}:
+    dT = dW X_w^T + dU X_u^T, dM = -T^T dT T^T, dA = strictly-lower(Diag(beta) dM), dX = T^T [dW, dU];
+    dKK = dA e^D, dQK = lower(dP) e^D (what reaches k k^T and q k^T); dD = dKK KK + dQK QK (what reaches D);
+    dq = dq_dec e^gamma + dQK k, dk = dX_w beta e^gamma + dk_end e^to_end + dQK^T q + (dKK + dKK^T) k,
+    dv = beta dX_u, dbeta = rowsum(dM A) + rowsum(dX_w k e^gamma) + rowsum(dX_u v);
+  dg_j sums the decay terms over the spans that hold j: gamma_t (t >= j), to_end_i (i < j), D_ti (i < j <= t).
+  k k^T and q k^T take the inputs' dtype, as in the forward; the other dots float32 operands; the elementwise
+  work is float32."""
+  Cp, Kp = k_ref.shape
+  Vp = v_ref.shape[-1]
+  BK, BV, prec = cfg.bwd_block_k, cfg.bwd_block_v, cfg.prec
+  f32 = jnp.float32
+  g = g_ref[...].astype(f32)
+  beta = b_ref[...].astype(f32)
+  bcol = beta[:, None]
+  row, col, e_gam, e_end, decay = _decays(g, Cp)
+  # Phases ordered so that few [Cp, Cp] float32 matrices are live at once (each is 32 registers a thread at
+  # Cp = 64 and 4 warps): A and T; then dT; then dKK, the decay-gradient dD and QK; then T, dQK, dKK + dKK^T.
+  KK = jnp.zeros((Cp, Cp), f32)
+  for j in range(Kp // BK):
+    k = k_ref[:, pl.ds(j * BK, BK)]
+    KK = KK + _dot(k, k, True, prec)
+  A = jnp.where(row > col, KK * decay, 0.0)
+  T = _invert_unit_lower(bcol * A, prec)
+  dT = jnp.zeros((Cp, Cp), f32)
+  for j in range(Kp // BK):
+    ks = pl.ds(j * BK, BK)
+    dT = dT + _dot(dw_ref[:, ks].astype(f32), bcol * (k_ref[:, ks].astype(f32) * e_gam), True, prec)
+  for j in range(Vp // BV):
+    vs = pl.ds(j * BV, BV)
+    dT = dT + _dot(du_ref[:, vs].astype(f32), bcol * v_ref[:, vs].astype(f32), True, prec)
+  dM = -_dot(_dot_ta(T, dT, prec), T, True, prec)  # -T^T dT T^T
+  dbeta = jnp.sum(dM * A, axis=1)
+  dA = jnp.where(row > col, bcol * dM, 0.0)
+  dD = dA * A  # zero above the diagonal, as every term of dD
+  dKK = dA * decay
+  QK = jnp.zeros((Cp, Cp), f32)
+  for j in range(Kp // BK):
+    ks = pl.ds(j * BK, BK)
+    QK = QK + _dot(q_ref[:, ks], k_ref[:, ks], True, prec)
+  dQK = jnp.where(row >= col, dp_ref[...].astype(f32), 0.0) * decay
+  dD = dD + dQK * QK
+  # dg_j's share of D: sum_{t >= j} sum_{i < j} dD_ti; the inner sum is the inclusive row cumulative sum less its
+  # own term (a reverse cumulative sum does not lower to Triton).
+  dg = jnp.sum(jnp.where(row >= col, jax.lax.cumsum(dD, axis=1) - dD, 0.0), axis=0)
+  dKs = dKK + dKK.T  # symmetric
+  # dq first, then T and dQK transposed once (the originals die): the dk loop reads only T^T, dQK^T and dKs.
+  dgam = dto_end = jnp.zeros((Cp,), f32)
+  for j in range(Kp // BK):
+    ks = pl.ds(j * BK, BK)
+    q_dec = q_ref[:, ks].astype(f32) * e_gam
+    dqd = dqd_ref[:, ks].astype(f32)
+    dgam = dgam + jnp.sum(dqd * q_dec, axis=1)
+    dq_ref[:, ks] = (dqd * e_gam + _dot(dQK, k_ref[:, ks].astype(f32), False, prec)).astype(dq_ref.dtype)
+  Tt, dQKt = T.T, dQK.T
+  for j in range(Vp // BV):
+    vs = pl.ds(j * BV, BV)
+    dXu = _dot(Tt, du_ref[:, vs].astype(f32), False, prec)
+    dbeta = dbeta + jnp.sum(dXu * v_ref[:, vs].astype(f32), axis=1)
+    dv_ref[:, vs] = (bcol * dXu).astype(dv_ref.dtype)
+  for j in range(Kp // BK):
+    ks = pl.ds(j * BK, BK)
+    k = k_ref[:, ks].astype(f32)
+    dke = dke_ref[:, ks].astype(f32)
+    dXw = _dot(Tt, dw_ref[:, ks].astype(f32), False, prec)
+    k_dec = k * e_gam
+    dgam = dgam + jnp.sum(dXw * k_dec * bcol, axis=1)
+    dbeta = dbeta + jnp.sum(dXw * k_dec, axis=1)
+    dto_end = dto_end + jnp.sum(dke * k * e_end, axis=1)
+    dk = (dXw * bcol * e_gam + dke * e_end + _dot(dQKt, q_ref[:, ks].astype(f32), False, prec)
+          + _dot(dKs, k, False, prec))
+    dk_ref[:, ks] = dk.astype(dk_ref.dtype)
+  # dg_j's shares of gamma_t (t >= j) and to_end_i (i < j)
+  dg = dg + jnp.sum(jnp.where(row >= col, dgam[:, None], 0.0) + jnp.where(row < col, dto_end[:, None], 0.0), axis=0)
+  dg_ref[...] = dg.astype(dg_ref.dtype)
+  db_ref[...] = dbeta.astype(db_ref.dtype)
 
 
 def _pad(x, *target):
@@ -175,6 +282,31 @@ def _forward(cfg: Config, q, k, v, g, beta):
   return q_dec[:, :C, :K], k_end[:, :C, :K], P[:, :C, :C], W[:, :C, :K], U[:, :C, :V]
 
 
+def _backward(cfg: Config, q, k, v, g, beta, cts):
+  """(dq, dk, dv, dg, dbeta) in the inputs' dtypes from the backward kernel; cts the cotangents of `_forward`'s
+  (q_dec, k_end, P, W, U), in k's dtype."""
+  L, C, K = k.shape
+  V = v.shape[-1]
+  Cp, Kp, Vp = pow2(C), pow2(K), pow2(V)
+  BK, BV = min(cfg.bwd_block_k, Kp), min(cfg.bwd_block_v, Vp)
+  dqd, dke, dP, dW, dU = cts
+  ins = [_pad(q, Cp, Kp), _pad(k, Cp, Kp), _pad(v, Cp, Vp), _pad(g, Cp), _pad(beta, Cp),
+         _pad(dqd, Cp, Kp), _pad(dke, Cp, Kp), _pad(dP, Cp, Cp), _pad(dW, Cp, Kp), _pad(dU, Cp, Vp)]
+  rows = lambda *s: pl.BlockSpec((None,) + s, lambda i: (i,) + (0,) * len(s))
+  kernel = functools.partial(_bwd_kernel, cfg=dataclasses.replace(cfg, bwd_block_k=BK, bwd_block_v=BV))
+  dq, dk, dv, dg, db = pl.pallas_call(
+      kernel, grid=(L,),
+      in_specs=[rows(Cp, Kp), rows(Cp, Kp), rows(Cp, Vp), rows(Cp), rows(Cp),
+                rows(Cp, Kp), rows(Cp, Kp), rows(Cp, Cp), rows(Cp, Kp), rows(Cp, Vp)],
+      out_specs=[rows(Cp, Kp), rows(Cp, Kp), rows(Cp, Vp), rows(Cp), rows(Cp)],
+      out_shape=[jax.ShapeDtypeStruct((L, Cp, Kp), q.dtype), jax.ShapeDtypeStruct((L, Cp, Kp), k.dtype),
+                 jax.ShapeDtypeStruct((L, Cp, Vp), v.dtype), jax.ShapeDtypeStruct((L, Cp), g.dtype),
+                 jax.ShapeDtypeStruct((L, Cp), beta.dtype)],
+      interpret=cfg.interpret, name="gdn_chunk_local_bwd",
+      compiler_params=pl_triton.CompilerParams(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages))(*ins)
+  return dq[:, :C, :K], dk[:, :C, :K], dv[:, :C, :V], dg[:, :C], db[:, :C]
+
+
 def _reference(prec, q, k, v, g, beta):
   """The same five arrays from the XLA reference."""
   loc = intra_chunk.local(q, k, v, g, beta, None, beta_kind="head", prec=prec)
@@ -187,14 +319,19 @@ def _fused(cfg: Config, q, k, v, g, beta):
 
 
 def _fused_fwd(cfg, q, k, v, g, beta):
+  if cfg.bwd_kernel:
+    return _forward(cfg, q, k, v, g, beta), (q, k, v, g, beta)
   out, vjp = jax.vjp(functools.partial(_reference, cfg.ref_prec), q, k, v, g, beta)
   return out, (vjp, k)
 
 
 def _fused_bwd(cfg, res, cts):
-  vjp, k = res
-  odt = k.dtype  # every output's: a cotangent may come back wider (a float32 one for a bfloat16 P)
-  return vjp(tuple(ct.astype(odt) for ct in cts))
+  k = res[1]
+  cts = tuple(ct.astype(k.dtype) for ct in cts)  # every output's dtype: a cotangent may come back wider
+  if cfg.bwd_kernel:
+    return _backward(cfg, *res, cts)
+  vjp, _ = res
+  return vjp(cts)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -211,7 +348,9 @@ def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "block
     return intra_chunk.local(q, k, v, g, beta, masks, beta_kind=beta_kind, prec=prec, solver=solver)
   interpret = default_interpret() if interpret is None else interpret
   cfg = Config(prec=kernel_precision(prec, interpret), ref_prec=prec, block_k=pow2(block_k or BLOCK_K),
-               block_v=pow2(block_v or BLOCK_V), interpret=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+               block_v=pow2(block_v or BLOCK_V), interpret=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+               bwd_kernel=bool(BACKWARD_KERNEL), bwd_block_k=pow2(BWD_BLOCK_K), bwd_block_v=pow2(BWD_BLOCK_V),
+               bwd_num_warps=BWD_NUM_WARPS)
   q_dec, k_end, P, W, U = _fused(cfg, q, k, v, g, beta)
   decay = jnp.exp(jnp.cumsum(g, axis=1)[..., -1:])  # as intra_chunk: the last inclusive cumulative log-decay
   return intra_chunk.Local(q_dec=q_dec, k_dec=None, k_end=k_end, decay=decay, P=P, A=None, W=W, U=U)
