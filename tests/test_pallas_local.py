@@ -158,35 +158,28 @@ def _fused_op(monkeypatch, x, chunk_size, backward_kernel=False):
           {n: np.asarray(g, np.float64) for n, g in grads.items()})
 
 
-def test_fused_op_float32_against_oracle(monkeypatch):
-  """T = 40 over chunks of 16 (three chunks, the last padded), grouped heads, K != V, odd V, an initial state."""
-  x = make_inputs(31, 2, 40, 1, 2, 16, 19, "head", "head")
-  assert_close(_fused_op(monkeypatch, x, 16), oracle(x), 1e-5, "pallas with the fused chunk-local kernel")
-
-
-def test_fused_op_bfloat16_against_oracle(monkeypatch):
-  x = make_inputs(32, 1, 48, 2, 2, 16, 16, "head", "head")
+def _bfloat16(x):
+  """(bfloat16 inputs, their float32 values for the oracle)."""
   x_bf = {n: a if a is None or n in ("segment_ids", "initial_state") else jnp.asarray(a, jnp.bfloat16)
           for n, a in x.items()}
-  x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
-           for n, a in x_bf.items()}
-  assert_close(_fused_op(monkeypatch, x_bf, 16), oracle(x_ref), 2e-2, "bf16 pallas with the fused kernel")
+  return x_bf, {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
+                for n, a in x_bf.items()}
 
 
-def test_fused_op_with_backward_kernel_float32_against_oracle(monkeypatch):
-  x = make_inputs(35, 2, 40, 1, 2, 16, 19, "head", "head")
-  assert_close(_fused_op(monkeypatch, x, 16, backward_kernel=True), oracle(x), 1e-5,
-               "pallas with the fused chunk-local kernels, forward and backward")
+@pytest.mark.parametrize("backward_kernel", [False, True])
+def test_fused_op_float32_against_oracle(monkeypatch, backward_kernel):
+  """T = 40 over chunks of 16 (three chunks, the last padded), grouped heads, K != V, odd V, an initial state;
+  the backward through XLA's VJP or the backward kernel."""
+  x = make_inputs(31 + 4 * backward_kernel, 2, 40, 1, 2, 16, 19, "head", "head")
+  assert_close(_fused_op(monkeypatch, x, 16, backward_kernel=backward_kernel), oracle(x), 1e-5,
+               f"pallas with the fused chunk-local kernel (backward kernel {backward_kernel})")
 
 
-def test_fused_op_with_backward_kernel_bfloat16_against_oracle(monkeypatch):
-  x = make_inputs(36, 1, 48, 2, 2, 16, 16, "head", "head")
-  x_bf = {n: a if a is None or n in ("segment_ids", "initial_state") else jnp.asarray(a, jnp.bfloat16)
-          for n, a in x.items()}
-  x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
-           for n, a in x_bf.items()}
-  assert_close(_fused_op(monkeypatch, x_bf, 16, backward_kernel=True), oracle(x_ref), 2e-2,
-               "bf16 pallas with the fused kernels, forward and backward")
+@pytest.mark.parametrize("backward_kernel", [False, True])
+def test_fused_op_bfloat16_against_oracle(monkeypatch, backward_kernel):
+  x_bf, x_ref = _bfloat16(make_inputs(32 + 4 * backward_kernel, 1, 48, 2, 2, 16, 16, "head", "head"))
+  assert_close(_fused_op(monkeypatch, x_bf, 16, backward_kernel=backward_kernel), oracle(x_ref), 2e-2,
+               f"bf16 pallas with the fused kernel (backward kernel {backward_kernel})")
 
 
 def test_backward_kernel_lowers_to_triton(monkeypatch):
@@ -232,12 +225,9 @@ def test_compiled_on_gpu(dtype, tol):
 def test_compiled_op_on_gpu(monkeypatch, dtype, tol):
   """`method="pallas"` with the fused kernel compiled, against the float64 recurrence: B = 2, T = 1024, H = 4,
   K = V = 128, chunks of 64 (no segments: they would route the chunk-local work to XLA)."""
-  x = make_inputs(33, 2, 1024, 4, 4, 128, 128, "head", "head")
+  x = x_ref = make_inputs(33, 2, 1024, 4, 4, 128, 128, "head", "head")
   if dtype == "bfloat16":
-    x = {n: a if a is None or n in ("segment_ids", "initial_state") else jnp.asarray(a, jnp.bfloat16)
-         for n, a in x.items()}
-  x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
-           for n, a in x.items()}
+    x, x_ref = _bfloat16(x)
   assert_close(_fused_op(monkeypatch, x, 64), oracle(x_ref), tol, f"gpu pallas fused local {dtype}")
 
 
