@@ -34,24 +34,14 @@ PRESETS = {
 def gdn_side(a, T: int, remat: str = "none") -> dict:
   import jax
   import jax.numpy as jnp
-  from flax import nnx
 
+  from experiments.layer_residuals import layer_step
   from gdn.bench.timing import compiled_bytes, device_memory_stats, timed
-  from gdn.config import recurrent_preset
-  from gdn.layers.recurrent import RecurrentMixer
 
-  cfg = recurrent_preset("gated_deltanet", num_heads=a.heads, head_dim=a.head_dim, method=a.method,
-                          remat=remat)
-  graphdef, params, rest = nnx.split(RecurrentMixer(cfg, a.d_model, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
-                                     nnx.Param, ...)
-
-  def loss(params, rest, x):
-    y, _ = nnx.merge(graphdef, params, rest)(x)
-    return jnp.sum(y.astype(jnp.float32))  # summed in float32: a bfloat16 sum would round most of it away
-
+  loss, params = layer_step(a.d_model, a.heads, a.head_dim, a.method, remat, jnp.bfloat16)
   x = jax.random.normal(jax.random.key(1), (a.tokens // T, T, a.d_model), jnp.bfloat16)
-  compiled = jax.jit(jax.grad(loss, argnums=(0, 2))).lower(params, rest, x).compile()
-  ms = timed(compiled, (params, rest, x), a.reps)
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
+  ms = timed(compiled, (params, x), a.reps)
   peak = device_memory_stats().get("peak_bytes_in_use")
   return dict(ms=ms, peak=peak, estimate=compiled_bytes(compiled))
 

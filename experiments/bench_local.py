@@ -97,11 +97,7 @@ def stage_backward(x, prec):
   rng = np.random.default_rng(0)
   cts = tuple(jnp.asarray(rng.normal(size=o.shape), o.dtype) for o in outs)
   interpret = pallas_chunk.default_interpret()
-  cfg = pallas_local.Config(
-      prec=pallas_local.kernel_precision(prec, interpret), ref_prec=prec, block_k=pallas_local.BLOCK_K,
-      block_v=pallas_local.BLOCK_V, interpret=interpret, num_warps=pallas_local.NUM_WARPS,
-      num_stages=pallas_local.NUM_STAGES, bwd_kernel=True, bwd_block_k=pallas_local.BWD_BLOCK_K,
-      bwd_block_v=pallas_local.BWD_BLOCK_V, bwd_num_warps=pallas_local.BWD_NUM_WARPS)
+  cfg = pallas_local.make_config(prec, interpret, bwd_kernel=True)
   return {"local bwd xla": (jax.jit(lambda vjp, cts: vjp(cts)), (vjp, cts)),
           "local bwd kernel": (jax.jit(lambda x, cts: pallas_local._backward(cfg, *x, cts)), (tuple(x), cts))}
 

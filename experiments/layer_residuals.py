@@ -28,13 +28,14 @@ from gdn.layers.recurrent import RecurrentMixer
 
 
 def layer_step(d_model: int, heads: int, head_dim: int, method: str, remat: str, dtype):
-  """(loss(params, x), params) of one gated_deltanet RecurrentMixer with float32 parameters."""
+  """(loss(params, x), params) of one gated_deltanet RecurrentMixer with float32 parameters: the sum of its
+  output (the training step of experiments/bench_layer_fla.py too)."""
   cfg = recurrent_preset("gated_deltanet", num_heads=heads, head_dim=head_dim, method=method, remat=remat)
   graphdef, params, rest = nnx.split(RecurrentMixer(cfg, d_model, dtype=dtype, rngs=nnx.Rngs(0)), nnx.Param, ...)
 
   def loss(params, x):
     y, _ = nnx.merge(graphdef, params, rest)(x)
-    return jnp.sum(y.astype(jnp.float32))
+    return jnp.sum(y.astype(jnp.float32))  # summed in float32: a bfloat16 sum would round most of it away
 
   return loss, params
 

@@ -60,13 +60,13 @@ BLOCK_K = 128
 BLOCK_V = 128
 NUM_WARPS = 4
 NUM_STAGES = 1
-# The backward kernel (`_bwd_kernel`): None or False runs XLA's chunk-local forward and its `jax.vjp` when the op is
+# The backward kernel (`_bwd_kernel`): False runs XLA's chunk-local forward and its `jax.vjp` when the op is
 # differentiated (today's rule); True runs the fused forward kernel, saves only its inputs and runs the backward
 # kernel. Read at the call (trace time), as FUSED_LOCAL is. Its blocks and warps: it holds three to five [Cp, Cp]
 # float32 matrices at once; offline for sm_90 (Triton 3.9, bfloat16, C = 64, K = V = 128) it takes 255 registers
 # a thread in every setting tried, with 236 bytes of spill stores at blocks of 32 and 8 warps, 552 at 64 and 8
 # warps, 836 at 32 and 4 warps, 1104 at 64 and 4 warps. Not yet timed on the card.
-BACKWARD_KERNEL: Optional[bool] = False
+BACKWARD_KERNEL = False
 BWD_BLOCK_K = 32
 BWD_BLOCK_V = 32
 BWD_NUM_WARPS = 8
@@ -337,6 +337,16 @@ def _fused_bwd(cfg, res, cts):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
+def make_config(prec, interpret: bool, *, block_k: Optional[int] = None, block_v: Optional[int] = None,
+                bwd_kernel: Optional[bool] = None) -> Config:
+  """A call's settings from the module's (read now): the caller's precision, the forward's blocks (None:
+  BLOCK_K, BLOCK_V), BACKWARD_KERNEL unless `bwd_kernel` is given, and the backward's blocks and warps."""
+  return Config(prec=kernel_precision(prec, interpret), ref_prec=prec, block_k=pow2(block_k or BLOCK_K),
+                block_v=pow2(block_v or BLOCK_V), interpret=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+                bwd_kernel=bool(BACKWARD_KERNEL if bwd_kernel is None else bwd_kernel),
+                bwd_block_k=pow2(BWD_BLOCK_K), bwd_block_v=pow2(BWD_BLOCK_V), bwd_num_warps=BWD_NUM_WARPS)
+
+
 def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "blocked", block_k: Optional[int] = None,
           block_v: Optional[int] = None, interpret: Optional[bool] = None) -> intra_chunk.Local:
   """`intra_chunk.local`'s signature and results (k_dec and A None) through the fused kernel where `supports`
@@ -347,10 +357,7 @@ def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "block
   if not supports(g, beta, masks, beta_kind, jnp.result_type(q, k, v)):
     return intra_chunk.local(q, k, v, g, beta, masks, beta_kind=beta_kind, prec=prec, solver=solver)
   interpret = default_interpret() if interpret is None else interpret
-  cfg = Config(prec=kernel_precision(prec, interpret), ref_prec=prec, block_k=pow2(block_k or BLOCK_K),
-               block_v=pow2(block_v or BLOCK_V), interpret=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-               bwd_kernel=bool(BACKWARD_KERNEL), bwd_block_k=pow2(BWD_BLOCK_K), bwd_block_v=pow2(BWD_BLOCK_V),
-               bwd_num_warps=BWD_NUM_WARPS)
+  cfg = make_config(prec, interpret, block_k=block_k, block_v=block_v)
   q_dec, k_end, P, W, U = _fused(cfg, q, k, v, g, beta)
   decay = jnp.exp(jnp.cumsum(g, axis=1)[..., -1:])  # as intra_chunk: the last inclusive cumulative log-decay
   return intra_chunk.Local(q_dec=q_dec, k_dec=None, k_end=k_end, decay=decay, P=P, A=None, W=W, U=U)
