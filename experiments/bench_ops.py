@@ -10,6 +10,7 @@ out). Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head decay and beta 
   python -m experiments.bench_ops --preset long        # many chunks, little batch: chunk vs associative
   python -m experiments.bench_ops --methods chunk pallas --shapes 1,512,2,64   # any methods and shapes
   python -m experiments.bench_ops --breakdown --dtype bfloat16 --shapes 4,4096,64,128   # where pallas' time goes
+  python -m experiments.bench_ops --preset h200 --dtype bfloat16 --fused-output off,on   # pallas_chunk.FUSED_OUTPUT
 
 "pallas" is in the GPU presets only: on CPU its kernels run in Pallas' interpreter, which times nothing useful.
 """
@@ -25,7 +26,7 @@ from gdn.bench.op_inputs import PRESETS, inputs
 from gdn.bench.plain_port import plain_port
 from gdn.bench.roofline import floor_ms
 from gdn.bench.timing import peak_bytes, timed
-from gdn.ops import checks, gated_delta_rule, stages
+from gdn.ops import checks, gated_delta_rule, pallas_chunk, stages
 from gdn.ops.chunk import chunk
 
 
@@ -46,11 +47,29 @@ def make_fn(method, dims):
   return f
 
 
-def bench(shape, method, dtype, reps, skip_time=False):
+def pallas_with(switches):
+  """`gated_delta_rule(method="pallas")`'s output as a function of (q, k, v, g, beta), traced with the module
+  switches {(module, name): value} set (the op reads them at trace time) and restored after."""
+
+  def f(q, k, v, g, b):
+    old = {key: getattr(*key) for key in switches}
+    for (module, name), value in switches.items():
+      setattr(module, name, value)
+    try:
+      return gated_delta_rule(q, k, v, g, b, method="pallas", chunk_size=64)[0]
+    finally:
+      for (module, name), value in old.items():
+        setattr(module, name, value)
+
+  return f
+
+
+def bench(shape, method, dtype, reps, skip_time=False, f=None):
+  """fwd_ms, fb_ms, fwd_mem, fb_mem of `method` (or of the function `f` of (q, k, v, g, beta) given instead)."""
   args, rng = inputs(shape, dtype)
   B, T, H, D = shape
   dims = checks.check_sequence(*args, None, None, None, "chunk", 64)
-  f = make_fn(method, dims)
+  f = f or make_fn(method, dims)
   do = jnp.asarray(rng.normal(size=(B, T, H, D)), dtype)
 
   def fwd_bwd(*a):
@@ -118,6 +137,33 @@ def print_breakdown(shapes, dtype, reps):
       prev = r
 
 
+SWITCH = {"off": False, "on": True, "auto": None}
+
+
+def print_fused_output(shapes, dtype, reps, settings):
+  """method='pallas' with `pallas_chunk.FUSED_OUTPUT` at each setting (off, on, auto) side by side, one process:
+  median ms forward and forward+backward, XLA's forward memory estimate, and each setting's time over the first's."""
+  first, rest = settings[0], settings[1:]
+  cols = ([f"fwd ms {s}" for s in settings] + [f"fwd {s} / {first}" for s in rest]
+          + [f"fwd+bwd ms {s}" for s in settings] + [f"fwd+bwd {s} / {first}" for s in rest]
+          + [f"fwd mem MiB {s}" for s in settings])
+  print("| B, T, H, D | " + " | ".join(cols) + " |")
+  print("|---|" + "---|" * len(cols))
+  for shape in shapes:
+    rows = {}
+    for s in settings:
+      try:
+        rows[s] = bench(shape, "pallas", dtype, reps, f=pallas_with({(pallas_chunk, "FUSED_OUTPUT"): SWITCH[s]}))
+      except Exception as e:  # report and go on: one failing setting must not hide the others
+        print(f"  {shape} FUSED_OUTPUT {s}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    cell = lambda s, key, scale=1: f"{rows[s][key] / scale:.2f}" if s in rows else "failed"
+    ratio = lambda s, key: f"{rows[s][key] / rows[first][key]:.2f}" if s in rows and first in rows else "-"
+    cells = ([cell(s, "fwd_ms") for s in settings] + [ratio(s, "fwd_ms") for s in rest]
+             + [cell(s, "fb_ms") for s in settings] + [ratio(s, "fb_ms") for s in rest]
+             + [cell(s, "fwd_mem", 2**20) for s in settings])
+    print(f"| {', '.join(map(str, shape))} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -127,6 +173,9 @@ def main(argv=None):
   p.add_argument("--shapes", nargs="*", help="override the preset's shapes, each as B,T,H,D")
   p.add_argument("--breakdown", action="store_true",
                  help="time method='pallas' cut after each of its stages (prepare, state pass, finish)")
+  p.add_argument("--fused-output", metavar="off,on",
+                 help="time method='pallas' with pallas_chunk.FUSED_OUTPUT at each of these settings (off, on, "
+                      "auto = None) side by side, with the ratios to the first")
   a = p.parse_args(argv)
   preset = PRESETS[a.preset]
   methods = a.methods or preset["methods"]
@@ -138,6 +187,11 @@ def main(argv=None):
   shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else preset["shapes"]
   if a.breakdown:
     return print_breakdown(shapes, dtype, a.reps)
+  if a.fused_output:
+    settings = a.fused_output.split(",")
+    if not settings or any(s not in SWITCH for s in settings):
+      p.error(f"--fused-output takes a comma-separated list of {sorted(SWITCH)}, got {a.fused_output!r}")
+    return print_fused_output(shapes, dtype, a.reps, settings)
   print("| B, T, H, D | method | fwd ms | fwd+bwd ms | fwd mem MiB | fwd+bwd mem MiB |"
         + (" fwd % of H200 floor | fwd+bwd % of H200 floor |" if on_gpu else ""))
   print("|---|---|---|---|---|---|" + ("---|---|" if on_gpu else ""))

@@ -46,3 +46,19 @@ def test_breakdown_prefixes_compose_the_pallas_method(capsys):
   bench_ops.main(["--breakdown", "--shapes", "1,64,1,16", "--reps", "1"])
   rows = [l.split("|") for l in capsys.readouterr().out.splitlines() if l.startswith("| 1, 64, 1, 16 |")]
   assert [r[2].strip() for r in rows] == list(bench_ops.STAGES)
+
+
+def test_fused_output_table_runs_on_cpu(capsys):
+  """--fused-output off,on: one row per shape, both settings timed (here in Pallas' interpreter), and the ratios;
+  the switch is left as it was."""
+  from gdn.ops import pallas_chunk
+
+  before = pallas_chunk.FUSED_OUTPUT
+  bench_ops.main(["--fused-output", "off,on", "--shapes", "1,64,1,16", "--reps", "1"])
+  out = capsys.readouterr().out.splitlines()
+  header = next(l for l in out if l.startswith("| B, T, H, D |"))
+  (row,) = [l for l in out if l.startswith("| 1, 64, 1, 16 |")]
+  cells = dict(zip([c.strip() for c in header.split("|")[2:-1]], [c.strip() for c in row.split("|")[2:-1]]))
+  for col in ("fwd ms off", "fwd ms on", "fwd on / off", "fwd+bwd ms off", "fwd+bwd ms on", "fwd+bwd on / off"):
+    assert float(cells[col]) > 0, (col, cells)
+  assert pallas_chunk.FUSED_OUTPUT == before

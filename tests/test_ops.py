@@ -68,6 +68,15 @@ def run(method, x, *, chunk_size=16, scale=None, seed=1):
                                                                    for n, g in grads.items()}
 
 
+def bfloat16_inputs(x):
+  """(x with bfloat16 q, k, v, g, beta, the float32 values of those inputs for the oracle); the initial state
+  stays float32, as the contract has it."""
+  x_bf = {n: a if a is None or n in ("segment_ids", "initial_state") else jnp.asarray(a, jnp.bfloat16)
+          for n, a in x.items()}
+  return x_bf, {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
+                for n, a in x_bf.items()}
+
+
 def oracle(x, **kw):
   """The float64 recurrence: forward and gradients (the JAX token scan in float64)."""
   x64 = {n: None if a is None or n == "segment_ids" else np.asarray(a, np.float64) for n, a in x.items()}
@@ -138,11 +147,7 @@ def test_shapes_and_chunk_sizes(method, variant, shape):
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("variant", [("head", "head"), ("channel", "head"), ("none", "none")])
 def test_bfloat16_inputs(method, variant):
-  x = make_inputs(3, 2, 40, 2, 2, 16, 16, *variant)
-  x_bf = {n: a if a is None or n == "segment_ids" else jnp.asarray(a, jnp.bfloat16) for n, a in x.items()}
-  x_bf["initial_state"] = x["initial_state"]  # the state is float32 by contract
-  x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
-           for n, a in x_bf.items()}
+  x_bf, x_ref = bfloat16_inputs(make_inputs(3, 2, 40, 2, 2, 16, 16, *variant))
   got = run(method, x_bf)
   assert run(method, x_bf)[0].dtype == np.float64  # converted for comparison; the op returned bfloat16
   assert_close(got, oracle(x_ref), 2e-2, f"bf16 {method} {variant}")

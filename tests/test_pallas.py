@@ -4,8 +4,9 @@ Shapes: B batch, T time, H q/k heads, HV value heads, K key dim, V value dim, C 
 
 On CPU the kernels run in Pallas' interpreter (what `method="pallas"` does there by default), so the cases
 are few and small: each combines several features (odd K and V, HV > H, T not a multiple of C, an initial
-state, packed segments). The `gpu` test runs the compiled Triton kernels at a realistic shape. The
-batch-sharded test runs in a child process on 8 forced CPU devices (`devices.run_child`).
+state, packed segments). The `gpu` tests run the compiled Triton kernels at a realistic shape. The
+`fused_output` tests run `pallas_chunk.FUSED_OUTPUT` (the output inside the forward kernel) forward only and
+differentiated. The batch-sharded test runs in a child process on 8 forced CPU devices (`devices.run_child`).
 """
 
 import functools
@@ -15,18 +16,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from gdn import ops
 from gdn.ops import checks, pallas_chunk
 from devices import run_child
 from lowering import cuda_hlo
-from test_ops import DIFF_ARGS, assert_close, make_inputs, oracle, rel, vjp_inputs
+from test_ops import DIFF_ARGS, assert_close, bfloat16_inputs, make_inputs, oracle, rel, vjp_inputs
 
 
 @functools.lru_cache(maxsize=None)
-def _fwd_bwd(present, chunk_size, block_v, interpret):
+def _fwd_bwd(present, chunk_size, block_v, interpret, fused_output=False):
   """Jitted forward + VJP with fixed cotangents. With block_v and interpret None, through the public
-  `gated_delta_rule(method="pallas")`; else through `pallas_chunk.pallas`, which takes them."""
+  `gated_delta_rule(method="pallas")`; else through `pallas_chunk.pallas`, which takes them. fused_output:
+  `pallas_chunk.FUSED_OUTPUT` as the caller set it (the switch is read at trace time, so it keys the cache); when
+  true, the forward-only (o, S) come too, the only call that runs the fused output kernel."""
 
   def f(diff, segment_ids, co):
     def op(diff):
@@ -42,17 +46,21 @@ def _fwd_bwd(present, chunk_size, block_v, interpret):
 
     (o, S), vjp = jax.vjp(op, diff)
     (grads,) = vjp((co[0].astype(o.dtype), co[1].astype(S.dtype)))
-    return o, S, grads
+    return (o, S, grads) + ((op(diff),) if fused_output else ())
 
   return jax.jit(f)
 
 
 def run_pallas(x, *, chunk_size=8, block_v=None, interpret=None, seed=1):
-  """Forward, final state and all gradients, as `test_ops.run` (same cotangents for the same seed)."""
+  """Forward, final state and all gradients, as `test_ops.run` (same cotangents for the same seed). With
+  `pallas_chunk.FUSED_OUTPUT` set, a pair: that triple from the differentiated call, and the same with the
+  forward-only call's output and final state."""
   diff, seg, co = vjp_inputs(x, seed)
-  o, S, grads = _fwd_bwd(tuple(sorted(diff)), chunk_size, block_v, interpret)(diff, seg, co)
-  return (np.asarray(o, np.float64), np.asarray(S, np.float64),
-          {n: np.asarray(g, np.float64) for n, g in grads.items()})
+  fused = pallas_chunk.FUSED_OUTPUT
+  o, S, grads, *forward_only = _fwd_bwd(tuple(sorted(diff)), chunk_size, block_v, interpret, fused)(diff, seg, co)
+  f64 = lambda o, S: (np.asarray(o, np.float64), np.asarray(S, np.float64),
+                      {n: np.asarray(g, np.float64) for n, g in grads.items()})
+  return (f64(o, S), f64(*forward_only[0])) if fused else f64(o, S)
 
 
 # (g, beta, C, block_v). Every case has T = 35 (not a multiple of C), grouped heads, odd K and V, an initial
@@ -76,12 +84,67 @@ def test_float32_against_oracle(g_kind, beta_kind, C, block_v):
 
 
 def test_bfloat16_inputs():
-  x = make_inputs(23, 2, 40, 2, 2, 16, 16, "head", "head")
-  x_bf = {n: a if a is None or n == "segment_ids" else jnp.asarray(a, jnp.bfloat16) for n, a in x.items()}
-  x_bf["initial_state"] = x["initial_state"]  # the state is float32 by contract
-  x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
-           for n, a in x_bf.items()}
+  x_bf, x_ref = bfloat16_inputs(make_inputs(23, 2, 40, 2, 2, 16, 16, "head", "head"))
   assert_close(run_pallas(x_bf), oracle(x_ref), 2e-2, "bf16 pallas")
+
+
+def _assert_fused_close(x, want, tol, what, **kw):
+  """With FUSED_OUTPUT on (set by the caller): the forward-only call (the fused output kernel) and the
+  differentiated one (the unfused forward and the backward kernel) both against `want`, gradients included."""
+  differentiated, forward_only = run_pallas(x, **kw)
+  assert_close(forward_only, want, tol, f"{what}, forward only")
+  assert_close(differentiated, want, tol, f"{what}, differentiated")
+
+
+@pytest.mark.parametrize("g_kind, beta_kind, C, block_v", CASES)
+def test_fused_output_float32_against_oracle(monkeypatch, g_kind, beta_kind, C, block_v):
+  """FUSED_OUTPUT: the output inside the state pass, on CASES' inputs (grouped heads, odd K and V, T not a
+  multiple of C, an initial state, packed segments)."""
+  monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", True)
+  x = make_inputs(21, 2, 35, 2, 4, 5, 19, g_kind, beta_kind, segments=True)
+  _assert_fused_close(x, oracle(x), 1e-5, f"fused output g={g_kind} beta={beta_kind} C={C}", chunk_size=C,
+                      block_v=block_v)
+
+
+@pytest.mark.parametrize("g_kind, beta_kind", [("head", "head"), ("channel", "none")])
+def test_fused_output_bfloat16_against_oracle(monkeypatch, g_kind, beta_kind):
+  monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", True)
+  x_bf, x_ref = bfloat16_inputs(make_inputs(23, 2, 40, 2, 4, 16, 16, g_kind, beta_kind, segments=True))
+  _assert_fused_close(x_bf, oracle(x_ref), 2e-2, f"bf16 fused output g={g_kind} beta={beta_kind}")
+
+
+def _pallas_calls(jaxpr):
+  """The pallas_call equations of a closed jaxpr, nested jaxprs included."""
+  found = []
+  for eqn in jaxpr.jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      found.append(eqn)
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else [p]):
+        if isinstance(sub, ClosedJaxpr):
+          found += _pallas_calls(sub)
+        elif isinstance(sub, Jaxpr):
+          found += _pallas_calls(ClosedJaxpr(sub, ()))
+  return found
+
+
+def test_fused_output_writes_no_states(monkeypatch):
+  """A forward-only call with FUSED_OUTPUT runs one kernel whose results are O [L, N, Cp, Vp] in the output's
+  dtype and S_T: no S_in, no U. FUSED_OUTPUT None leaves it off in the interpreter, as FUSED_LOCAL (off here, so
+  that the state pass is the only kernel where they compile too)."""
+  monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", False)
+  x = make_inputs(28, 1, 40, 1, 2, 16, 16, "head", "head")
+  x_bf, _ = bfloat16_inputs(x)
+  for flag, want in [(True, True), (None, not pallas_chunk.default_interpret()), (False, False)]:
+    monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", flag)
+    args = [jnp.asarray(x_bf[n]) for n in ("q", "k", "v", "g", "beta")]
+    jaxpr = jax.make_jaxpr(lambda *a: ops.gated_delta_rule(*a, method="pallas", chunk_size=16))(*args)
+    (call,) = _pallas_calls(jaxpr)
+    shapes = [(tuple(v.aval.shape), v.aval.dtype) for v in call.outvars]
+    if want:
+      assert shapes == [((2, 3, 16, 16), jnp.bfloat16), ((2, 16, 16), jnp.float32)], shapes
+    else:
+      assert len(shapes) == 3 and shapes[0][0] == (2, 3, 16, 16), shapes  # S_in, U, S_T
 
 
 def test_operand_dtype_follows_the_callers_precision(monkeypatch):
@@ -118,17 +181,44 @@ def test_kernels_lower_to_triton():
   assert hlo.count("__gpu$xla.gpu.triton") == 2
 
 
+def test_fused_output_kernel_lowers_to_triton(monkeypatch):
+  """With FUSED_OUTPUT the forward-only call lowers to the fused kernel for CUDA (bfloat16, C = 64, K = V = 128,
+  two value blocks); the differentiated call to the unfused forward and the backward kernel. (FUSED_LOCAL off:
+  compiled, the chunk-local kernel would be a fourth.)"""
+  monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", True)
+  monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", False)
+  x, _ = bfloat16_inputs(make_inputs(30, 1, 128, 1, 2, 128, 128, "head", "head"))
+  diff = {n: jnp.asarray(x[n]) for n in DIFF_ARGS}
+  co = (jnp.ones((1, 128, 2, 128), jnp.bfloat16), jnp.ones((1, 2, 128, 128)))
+  hlo = cuda_hlo(_fwd_bwd(tuple(sorted(diff)), 64, None, False, True), diff, None, co)
+  assert hlo.count("__gpu$xla.gpu.triton") == 3
+  assert all(hlo.count(name) >= 1 for name in ("gdn_chunk_output_fwd", "gdn_chunk_states_fwd", "gdn_chunk_states_bwd"))
+
+
+def _gpu_inputs(seed, dtype, g_kind="head", beta_kind="head"):
+  """(inputs, the oracle's inputs) at a realistic shape: B = 2, T = 1024, H = 4, K = V = 128, with segments."""
+  x = make_inputs(seed, 2, 1024, 4, 4, 128, 128, g_kind, beta_kind, segments=True)
+  return bfloat16_inputs(x) if dtype == "bfloat16" else (x, x)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
 def test_compiled_on_gpu(dtype, tol):
   """The compiled Triton kernels at a realistic shape: B = 2, T = 1024, H = 4, K = V = 128."""
-  x = make_inputs(26, 2, 1024, 4, 4, 128, 128, "head", "head", segments=True)
-  if dtype == "bfloat16":
-    x = {n: a if a is None or n in ("segment_ids", "initial_state") else jnp.asarray(a, jnp.bfloat16)
-         for n, a in x.items()}
-  x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
-           for n, a in x.items()}
+  x, x_ref = _gpu_inputs(26, dtype)
   assert_close(run_pallas(x, chunk_size=64, interpret=False), oracle(x_ref), tol, f"gpu pallas {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, g_kind, beta_kind, tol", [("float32", "head", "head", 1e-4),
+                                                           ("bfloat16", "head", "head", 5e-2),
+                                                           ("float32", "channel", "none", 1e-4)])
+def test_fused_output_compiled_on_gpu(monkeypatch, dtype, g_kind, beta_kind, tol):
+  """FUSED_OUTPUT with the compiled kernels at test_compiled_on_gpu's shape: forward only and differentiated."""
+  monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", True)
+  x, x_ref = _gpu_inputs(29, dtype, g_kind, beta_kind)
+  _assert_fused_close(x, oracle(x_ref), tol, f"gpu fused output {dtype} g={g_kind} beta={beta_kind}", chunk_size=64,
+                      interpret=False)
 
 
 # (g, beta): the state pass with and without W, so both operand lists of the kernel ops are partitioned.
@@ -155,14 +245,27 @@ def _sharded_child():
     errs.update({f"d{n}": rel(np.asarray(grads[n]), np.asarray(g_ref[n])) for n in grads})
     out.append({"case": f"g={g_kind} beta={beta_kind}", "errors": errs, "all_gathers": hlo.count("all-gather"),
                 "o_stays_sharded": o.sharding.is_equivalent_to(rows, o.ndim)})
+    # The forward-only call with FUSED_OUTPUT (the fused kernel's op) against the same one-device results.
+    pallas_chunk.FUSED_OUTPUT = True
+    fwd = jax.jit(lambda d, seg: ops.gated_delta_rule(d["q"], d["k"], d["v"], d.get("g"), d.get("beta"),
+                                                      initial_state=d["initial_state"], segment_ids=seg,
+                                                      method="pallas", chunk_size=8))
+    args = jax.device_put((diff, seg), rows)
+    hlo = fwd.lower(*args).compile().as_text()
+    o, S = fwd(*args)
+    pallas_chunk.FUSED_OUTPUT = False
+    errs = {"o": rel(np.asarray(o), np.asarray(o_ref)), "final_state": rel(np.asarray(S), np.asarray(S_ref))}
+    out.append({"case": f"fused output, forward only, g={g_kind} beta={beta_kind}", "errors": errs,
+                "all_gathers": hlo.count("all-gather"), "o_stays_sharded": o.sharding.is_equivalent_to(rows, o.ndim)})
   print(json.dumps(out))
 
 
 def test_batch_sharded_runs_per_device():
   """With the batch split over an 8-device ("data", "fsdp") mesh, outputs, final state and all gradients equal
-  one device's, and the compiled module gathers nothing: each device runs the kernels on its own rows."""
+  one device's, and the compiled module gathers nothing: each device runs the kernels on its own rows. The same
+  for the forward-only call with FUSED_OUTPUT (the fused output kernel's op)."""
   results = run_child(__file__)
-  assert len(results) == len(SHARDED_CASES)
+  assert len(results) == 2 * len(SHARDED_CASES)
   for r in results:
     bad = {n: e for n, e in r["errors"].items() if not e <= 1e-5}
     assert not bad, f"{r['case']}: relative error above 1e-5: {bad}"

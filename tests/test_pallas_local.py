@@ -14,7 +14,7 @@ import pytest
 from gdn import ops
 from gdn.ops import checks, intra_chunk, pallas_chunk, pallas_local
 from lowering import cuda_hlo
-from test_ops import assert_close, make_inputs, oracle, vjp_inputs
+from test_ops import assert_close, bfloat16_inputs, make_inputs, oracle, vjp_inputs
 
 FIELDS = ("q_dec", "k_end", "decay", "P", "W", "U")
 
@@ -158,14 +158,6 @@ def _fused_op(monkeypatch, x, chunk_size, backward_kernel=False):
           {n: np.asarray(g, np.float64) for n, g in grads.items()})
 
 
-def _bfloat16(x):
-  """(bfloat16 inputs, their float32 values for the oracle)."""
-  x_bf = {n: a if a is None or n in ("segment_ids", "initial_state") else jnp.asarray(a, jnp.bfloat16)
-          for n, a in x.items()}
-  return x_bf, {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
-                for n, a in x_bf.items()}
-
-
 @pytest.mark.parametrize("backward_kernel", [False, True])
 def test_fused_op_float32_against_oracle(monkeypatch, backward_kernel):
   """T = 40 over chunks of 16 (three chunks, the last padded), grouped heads, K != V, odd V, an initial state;
@@ -177,7 +169,7 @@ def test_fused_op_float32_against_oracle(monkeypatch, backward_kernel):
 
 @pytest.mark.parametrize("backward_kernel", [False, True])
 def test_fused_op_bfloat16_against_oracle(monkeypatch, backward_kernel):
-  x_bf, x_ref = _bfloat16(make_inputs(32 + 4 * backward_kernel, 1, 48, 2, 2, 16, 16, "head", "head"))
+  x_bf, x_ref = bfloat16_inputs(make_inputs(32 + 4 * backward_kernel, 1, 48, 2, 2, 16, 16, "head", "head"))
   assert_close(_fused_op(monkeypatch, x_bf, 16, backward_kernel=backward_kernel), oracle(x_ref), 2e-2,
                f"bf16 pallas with the fused kernel (backward kernel {backward_kernel})")
 
@@ -227,7 +219,7 @@ def test_compiled_op_on_gpu(monkeypatch, dtype, tol):
   K = V = 128, chunks of 64 (no segments: they would route the chunk-local work to XLA)."""
   x = x_ref = make_inputs(33, 2, 1024, 4, 4, 128, 128, "head", "head")
   if dtype == "bfloat16":
-    x, x_ref = _bfloat16(x)
+    x, x_ref = bfloat16_inputs(x)
   assert_close(_fused_op(monkeypatch, x, 64), oracle(x_ref), tol, f"gpu pallas fused local {dtype}")
 
 
@@ -246,12 +238,9 @@ def test_compiled_backward_on_gpu(dtype, tol):
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
 def test_compiled_op_with_backward_kernel_on_gpu(monkeypatch, dtype, tol):
   """As test_compiled_op_on_gpu, with BACKWARD_KERNEL on."""
-  x = make_inputs(37, 2, 1024, 4, 4, 128, 128, "head", "head")
+  x = x_ref = make_inputs(37, 2, 1024, 4, 4, 128, 128, "head", "head")
   if dtype == "bfloat16":
-    x = {n: a if a is None or n in ("segment_ids", "initial_state") else jnp.asarray(a, jnp.bfloat16)
-         for n, a in x.items()}
-  x_ref = {n: a if a is None or n == "segment_ids" else np.asarray(jnp.asarray(a, jnp.float32))
-           for n, a in x.items()}
+    x, x_ref = bfloat16_inputs(x)
   assert_close(_fused_op(monkeypatch, x, 64, backward_kernel=True), oracle(x_ref), tol,
                f"gpu pallas fused local forward and backward {dtype}")
 

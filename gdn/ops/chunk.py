@@ -176,13 +176,22 @@ def scan_chunks(loc: intra_chunk.Local, beta_c, S0, prec, collect: bool = True):
   return S_T, jnp.moveaxis(S_in, 0, 2), jnp.moveaxis(U, 0, 2)
 
 
-def finish(loc, S_in, U, prec, dims: checks.Dims, C: int):
-  """o = Q_dec S_in + P U, back to [B, T, HV, V]."""
-  o = (intra_chunk.mm("...ck,...kv->...cv", loc.q_dec, S_in, precision=prec)
-       + intra_chunk.mm("...ti,...iv->...tv", loc.P, U, precision=prec))
+def chunk_outputs(q_dec, P, S_in, U, prec):
+  """Q_dec S_in + P U per chunk [.., C, V], accumulated in float32 (float64 for float64 operands)."""
+  return (intra_chunk.mm("...ck,...kv->...cv", q_dec, S_in, precision=prec)
+          + intra_chunk.mm("...ti,...iv->...tv", P, U, precision=prec))
+
+
+def unchunk(o, dims: checks.Dims, C: int):
+  """[B, HV, N, C, V] -> [B, T, HV, V], the padding after T dropped."""
   B, HV, N = o.shape[:3]
   o = jnp.moveaxis(o.reshape(B, HV, N * C, dims.V), 1, 2)
   return o[:, :dims.T]
+
+
+def finish(loc, S_in, U, prec, dims: checks.Dims, C: int):
+  """o = Q_dec S_in + P U, back to [B, T, HV, V]."""
+  return unchunk(chunk_outputs(loc.q_dec, loc.P, S_in, U, prec), dims, C)
 
 
 def initial(initial_state, dims, cdt):

@@ -13,12 +13,26 @@ loops over the chunks in order (value channels never mix in the recurrence, so V
 programs). The backward kernel runs the chunks in reverse with the cotangent dS held the same way. Both sit
 behind `jax.custom_vjp` on the state pass alone, so JAX differentiates the XLA parts around it as usual.
 
+With `FUSED_OUTPUT` (off by default, not yet timed on a GPU) the output moves into the forward kernel
+(`output_pass`): it also reads each chunk's q_dec [Cp, Kp] and P [Cp, Cp] and writes the output block
+
+    O[n] = q_dec[n] S_in[n] + P[n] U[n]   [Cp, BV]
+
+instead of S_in and U, which are then never written: per program and chunk, Kp x BV values fewer out (O replaces
+U's block, S_in's goes), and Cp x (Kp + Cp) more in (every value block of a row reads the same q_dec and P,
+as it reads W and k_end). That serves forward-only calls
+(evaluation, prefill): its `jax.custom_vjp`'s forward rule, run only when the op is differentiated, is today's
+program (the state-pass kernel writing S_in and U, the output in XLA), and its backward the backward kernel
+after the VJP of that product. Segments need nothing of their own: their masks are in q_dec, P, k_end, decay.
+
 Under a multi-device `jax.jit` each kernel call is a `custom_partitioning` op whose sharding rule keeps the
 sharding of the batch and value-head axes and replicates the rest, so every device runs the same kernel on its
 own rows (XLA cannot split a kernel call itself and would gather the whole batch onto every device).
 
-For bfloat16 callers the arrays the kernels read and write (U0, W, k_end, S_in, U) are bfloat16 and each matmul
-rounds its state-side operand to bfloat16; the state and every accumulation are float32 (`BF16_OPERANDS`).
+For bfloat16 callers the arrays the kernels read and write (U0, W, k_end, S_in, U; q_dec, P, O) are bfloat16 and
+each matmul rounds its state-side operand to bfloat16; the state and every accumulation are float32
+(`BF16_OPERANDS`). O is written in the op's output dtype where that is 16-bit (the one rounding the output gets
+anyway), else float32.
 
 The kernels use the Pallas Triton lowering on GPU (ref indexing, `lax.fori_loop`, `lax.dot_general`: nothing
 backend-specific in the kernel bodies) and Pallas' interpreter everywhere else; docs/ops.md says why.
@@ -38,7 +52,7 @@ from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gdn.ops import checks, intra_chunk, pallas_local
-from gdn.ops.chunk import finish, initial, isolate_segments, prepare
+from gdn.ops.chunk import chunk_outputs, finish, initial, isolate_segments, prepare, unchunk
 from gdn.ops.pallas_common import default_interpret, kernel_precision
 from gdn.ops.pallas_common import pow2 as _pow2
 
@@ -52,6 +66,10 @@ BWD_STAGES_BF16 = 2  # pipeline stages of the backward kernel on bfloat16 operan
 # kernels compile (not in the interpreter, whose per-program loop would only slow CPU runs down). On the H200 it
 # took the op's forward from 1.03 to 0.76 ms at (4, 2048, 16, 128) (docs/benchmarks.md).
 FUSED_LOCAL: Optional[bool] = None
+# The output O = Q_dec S_in + P U computed inside the forward state-pass kernel (`output_pass`), so that S_in and
+# U are never written, in forward-only calls (differentiated calls run today's program: see `_output_pass_fwd`):
+# True, False, or None = where the Pallas kernels compile, as FUSED_LOCAL. Off until timed on the GPU.
+FUSED_OUTPUT: Optional[bool] = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +79,10 @@ class Config:
   block_v: int
   interpret: bool
   delta: bool  # False without the delta rule (no W): then U = U0 and the kernels skip its matmul
-  operands: str = "float32"  # dtype of U0, W, k_end, S_in and U in memory (the state is always float32)
+  operands: str = "float32"  # dtype of U0, W, k_end, S_in and U (and q_dec, P, O) in memory; the state is float32
+  output: bool = False  # the forward kernel reads q_dec and P and writes O instead of S_in and U (FUSED_OUTPUT)
+  out_dtype: str = "float32"  # O's dtype in memory
+  out_prec: Optional[jax.lax.Precision] = None  # the caller's precision: the XLA output's in a differentiated call
 
 
 def _dot(a, b, ta: bool, tb: bool, prec):
@@ -71,20 +92,31 @@ def _dot(a, b, ta: bool, tb: bool, prec):
 
 
 def _forward_kernel(*refs, cfg: Config, N: int):
-  if cfg.delta:
-    u0_ref, w_ref, kend_ref, decay_ref, s0_ref, s_in_ref, u_ref, s_t_ref = refs
-  else:
-    u0_ref, kend_ref, decay_ref, s0_ref, s_in_ref, s_t_ref = refs
+  """One program's chunks in order. Refs: U0, W (delta rule only), k_end, decay, S0, then q_dec, P (cfg.output
+  only); results S_in and U (U with the delta rule only), or with cfg.output the output O; last S_T."""
+  refs = list(refs)
+  take = lambda present=True: refs.pop(0) if present else None
+  u0_ref, w_ref, kend_ref, decay_ref, s0_ref = take(), take(cfg.delta), take(), take(), take()
+  qdec_ref, p_ref = take(cfg.output), take(cfg.output)
+  s_in_ref, u_ref, o_ref = take(not cfg.output), take(cfg.delta and not cfg.output), take(cfg.output)
+  s_t_ref = take()
 
   odt = jnp.dtype(cfg.operands)
 
   def body(n, S):
-    s_in_ref[n] = S.astype(s_in_ref.dtype)
+    S_op = S.astype(odt)  # the matmul operand (and S_in as written); S itself stays float32
+    if s_in_ref is not None:
+      s_in_ref[n] = S_op
     U = u0_ref[n].astype(jnp.float32)
     if cfg.delta:
-      U = U - _dot(w_ref[n], S.astype(odt), False, False, cfg.prec)  # [Cp, BV]
-      u_ref[n] = U.astype(u_ref.dtype)
-    kS = _dot(kend_ref[n], U.astype(odt), True, False, cfg.prec)  # k_end^T U: [Kp, BV]
+      U = U - _dot(w_ref[n], S_op, False, False, cfg.prec)  # [Cp, BV]
+      if u_ref is not None:
+        u_ref[n] = U.astype(u_ref.dtype)
+    U_op = U.astype(odt)
+    if o_ref is not None:  # chunk n's output: q_dec S_in + P U, what `chunk.finish` computes from S_in and U
+      O = _dot(qdec_ref[n], S_op, False, False, cfg.prec) + _dot(p_ref[n], U_op, False, False, cfg.prec)
+      o_ref[n] = O.astype(o_ref.dtype)  # [Cp, BV]
+    kS = _dot(kend_ref[n], U_op, True, False, cfg.prec)  # k_end^T U: [Kp, BV]
     return decay_ref[n].astype(jnp.float32)[:, None] * S + kS
 
   S = jax.lax.fori_loop(0, N, body, s0_ref[...].astype(jnp.float32))
@@ -139,22 +171,36 @@ def _specs(L, N, Cp, Kp, BV):
   return per_v, per_k, decay, state, part_k, part_decay
 
 
-def _forward_call(cfg: Config, U0, W, k_end, decay, S0):
-  """The forward kernel on operands [B, HV, ...]: (S_in, U, S_T) [B, HV, ...], or (S_in, S_T) without W."""
+def _forward_call(cfg: Config, U0, W, k_end, decay, S0, q_dec=None, P=None):
+  """The forward kernel on operands [B, HV, ...]: (S_in, U, S_T) [B, HV, ...], or (S_in, S_T) without W; with
+  cfg.output, which reads q_dec and P, (O, S_T)."""
   B, HV, N, Cp, Vp = U0.shape
   L, Kp, BV = B * HV, k_end.shape[-1], cfg.block_v
   per_v, per_k, dec, state, _, _ = _specs(L, N, Cp, Kp, BV)
+  per_c = pl.BlockSpec((None, N, Cp, Cp), lambda i, j: (i, 0, 0, 0))  # P, shared by the value blocks
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
   op = lambda *s: jax.ShapeDtypeStruct(s, jnp.dtype(cfg.operands))
-  ins = [U0] + ([W] if cfg.delta else []) + [k_end, decay, S0]
-  in_specs = [per_v(Cp)] + ([per_k] if cfg.delta else []) + [per_k, dec, state]
-  outs = [op(L, N, Kp, Vp)] + ([op(L, N, Cp, Vp)] if cfg.delta else []) + [f32(L, Kp, Vp)]
-  out_specs = [per_v(Kp)] + ([per_v(Cp)] if cfg.delta else []) + [state]
+  ins = [U0] + ([W] if cfg.delta else []) + [k_end, decay, S0] + ([q_dec, P] if cfg.output else [])
+  in_specs = [per_v(Cp)] + ([per_k] if cfg.delta else []) + [per_k, dec, state] + ([per_k, per_c] if cfg.output
+                                                                                   else [])
+  if cfg.output:
+    outs = [jax.ShapeDtypeStruct((L, N, Cp, Vp), jnp.dtype(cfg.out_dtype)), f32(L, Kp, Vp)]
+    out_specs = [per_v(Cp), state]
+  else:
+    outs = [op(L, N, Kp, Vp)] + ([op(L, N, Cp, Vp)] if cfg.delta else []) + [f32(L, Kp, Vp)]
+    out_specs = [per_v(Kp)] + ([per_v(Cp)] if cfg.delta else []) + [state]
   # Two stages let Triton prefetch chunk n + 1's W, k_end and U0 while chunk n computes: about 200 KB of
-  # shared memory at K = 128, C = BV = 64 (Triton 3.9, sm_90), under the H200's 227 KB; one stage beyond.
-  stages = 2 if Cp * Kp <= 64 * 128 and BV <= 64 else 1
+  # shared memory at K = 128, C = BV = 64 (Triton 3.9, sm_90), under the H200's 227 KB; one stage beyond. With
+  # the output, q_dec and P join them: two stages where one stage's blocks take at most the 80 KiB of that case
+  # (float32 there), which bfloat16 operands meet at the same sizes and float32 ones do not.
+  if cfg.output:
+    stage_bytes = jnp.dtype(cfg.operands).itemsize * (Cp * BV + (2 + cfg.delta) * Cp * Kp + Cp * Cp)
+    stages = 2 if stage_bytes <= 80 * 1024 else 1
+  else:
+    stages = 2 if Cp * Kp <= 64 * 128 and BV <= 64 else 1
   res = _call(functools.partial(_forward_kernel, cfg=cfg, N=N), cfg, (L, Vp // BV), [_rows(x) for x in ins],
-              in_specs, outs, out_specs, "gdn_chunk_states_fwd", 4, stages)
+              in_specs, outs, out_specs, "gdn_chunk_output_fwd" if cfg.output else "gdn_chunk_states_fwd", 4,
+              stages)
   return tuple(_unrows(r, B) for r in res)
 
 
@@ -234,10 +280,13 @@ def _rule(ins: str, outs: str) -> str:
   return f"{lead(ins)} -> {lead(outs)}"
 
 
-# One op per operand list: without the delta rule there is no W (nor U among the forward results, nor dW).
+# One op per operand list: without the delta rule there is no W (nor U among the forward results, nor dW); the
+# forward with the output (keys (delta, True)) reads q_dec and P (its second C axis the factor i) and returns O.
 _FORWARD = {
-    True: _per_rows(_forward_call, _rule("n c v,n c k,n c k,n k,k v", "n k v,n c v,k v")),
-    False: _per_rows(_forward_call, _rule("n c v,n c k,n k,k v", "n k v,k v")),
+    (True, False): _per_rows(_forward_call, _rule("n c v,n c k,n c k,n k,k v", "n k v,n c v,k v")),
+    (False, False): _per_rows(_forward_call, _rule("n c v,n c k,n k,k v", "n k v,k v")),
+    (True, True): _per_rows(_forward_call, _rule("n c v,n c k,n c k,n k,k v,n c k,n c i", "n c v,k v")),
+    (False, True): _per_rows(_forward_call, _rule("n c v,n c k,n k,k v,n c k,n c i", "n c v,k v")),
 }
 _BACKWARD = {
     True: _per_rows(_backward_call, _rule("n c k,n c k,n k,n k v,n c v,n k v,n c v,k v",
@@ -246,9 +295,10 @@ _BACKWARD = {
 }
 
 
-def _forward(cfg: Config, U0, W, k_end, decay, S0):
-  res = _FORWARD[cfg.delta](cfg, U0, W, k_end, decay, S0)
-  if cfg.delta:
+def _forward(cfg: Config, U0, W, k_end, decay, S0, q_dec=None, P=None):
+  """(S_in, U, S_T), U = U0 without the delta rule; with cfg.output (O, S_T)."""
+  res = _FORWARD[cfg.delta, cfg.output](cfg, U0, W, k_end, decay, S0, q_dec, P)
+  if cfg.delta or cfg.output:
     return res
   S_in, S_T = res
   return S_in, U0, S_T
@@ -283,6 +333,73 @@ def _state_pass_bwd(cfg, res, cts):
 _state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
 
 
+def _output(cfg: Config, q_dec, P, S_in, U):
+  """O = q_dec S_in + P U per chunk in XLA, at the caller's precision, in O's dtype."""
+  return chunk_outputs(q_dec, P, S_in, U, cfg.out_prec).astype(cfg.out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _output_pass(cfg: Config, U0, W, k_end, decay, S0, q_dec, P):
+  """(O [B, HV, N, Cp, Vp] in cfg.out_dtype, S_T [B, HV, Kp, Vp]) from `_state_pass`'s operands and the padded
+  q_dec [.., Cp, Kp] and P [.., Cp, Cp]: one forward kernel that never writes S_in or U."""
+  return _forward(cfg, U0, W, k_end, decay, S0, q_dec, P)
+
+
+def _output_pass_fwd(cfg, U0, W, k_end, decay, S0, q_dec, P):
+  # Differentiated: today's program. The state pass writes S_in and U for the backward kernel, XLA computes O
+  # from them, and the backward is the backward kernel after the VJP of that product.
+  states = dataclasses.replace(cfg, output=False)
+  (S_in, U, S_T), res = _state_pass_fwd(states, U0, W, k_end, decay, S0)
+  O, out_vjp = jax.vjp(functools.partial(_output, cfg), q_dec, P, S_in, U)
+  return (O, S_T), (res, out_vjp)
+
+
+def _output_pass_bwd(cfg, res, cts):
+  res, out_vjp = res
+  dO, dS_T = cts
+  dq_dec, dP, dS_in, dU = out_vjp(dO)
+  states = dataclasses.replace(cfg, output=False)
+  return _state_pass_bwd(states, res, (dS_in, dU, dS_T)) + (dq_dec, dP)
+
+
+_output_pass.defvjp(_output_pass_fwd, _output_pass_bwd)
+
+
+def _pad(x, *target, dtype):
+  """x in `dtype` (the kernels' operand dtype; float32 for the decays and S0), zero-padded at the end of the
+  trailing axes: zero rows of U0, W, k_end, q_dec and P and zero rows/columns of S0 leave the valid part of the
+  recurrence and of the output untouched. B and HV stay separate axes, so a batch-sharded caller's sharding
+  reaches the kernel ops unchanged."""
+  x = x.astype(dtype)
+  return jnp.pad(x, [(0, 0)] * (x.ndim - len(target)) + [(0, t - s) for s, t in zip(x.shape[-len(target):], target)])
+
+
+def _operands(loc: intra_chunk.Local, S0, prec, block_v: int, interpret: Optional[bool], output=None):
+  """The kernels' Config and padded operands (U0, W or None, k_end, decay, S0, and with `output`, O's dtype, q_dec
+  and P)."""
+  delta = loc.A is not None or loc.W is not None  # the fused chunk-local kernel returns W without A
+  if delta and loc.W is None:
+    raise ValueError("the Pallas state pass needs loc.W (per-head beta); per-value-channel beta has none")
+  C, V = loc.U.shape[-2:]
+  K = loc.k_end.shape[-1]
+  Cp, Kp = _pow2(C), _pow2(K)
+  BV = min(_pow2(block_v), _pow2(V))
+  Vp = -(-V // BV) * BV
+  operands = "bfloat16" if BF16_OPERANDS and prec == jax.lax.Precision.DEFAULT else "float32"
+  op = functools.partial(_pad, dtype=jnp.dtype(operands))
+  f32 = functools.partial(_pad, dtype=jnp.float32)
+  decay = jnp.broadcast_to(loc.decay, loc.decay.shape[:-1] + (K,))  # per-head decay: the same for every row
+  interpret = default_interpret() if interpret is None else interpret
+  cfg = Config(prec=kernel_precision(prec, interpret), block_v=BV, interpret=interpret, delta=delta,
+               operands=operands, output=output is not None,
+               out_dtype=jnp.dtype(output or jnp.float32).name, out_prec=prec if output is not None else None)
+  args = (op(loc.U, Cp, Vp), op(loc.W, Cp, Kp) if delta else None, op(loc.k_end, Cp, Kp), f32(decay, Kp),
+          f32(S0, Kp, Vp))
+  if output is not None:
+    args += (op(loc.q_dec, Cp, Kp), op(loc.P, Cp, Cp))
+  return cfg, args
+
+
 def state_pass(loc: intra_chunk.Local, S0, prec, *, block_v: int = BLOCK_V, interpret: Optional[bool] = None):
   """The chunk-to-chunk recurrence of `chunk.scan_chunks` (per-head or no beta) as a Pallas kernel.
 
@@ -294,33 +411,26 @@ def state_pass(loc: intra_chunk.Local, S0, prec, *, block_v: int = BLOCK_V, inte
   Returns:
     S_T [B, HV, K, V], S_in [B, HV, N, K, V] and U [B, HV, N, C, V], as `chunk.scan_chunks`.
   """
-  delta = loc.A is not None or loc.W is not None  # the fused chunk-local kernel returns W without A
-  if delta and loc.W is None:
-    raise ValueError("the Pallas state pass needs loc.W (per-head beta); per-value-channel beta has none")
-  C, V = loc.U.shape[-2:]
-  K = loc.k_end.shape[-1]
-  Cp, Kp = _pow2(C), _pow2(K)
-  BV = min(_pow2(block_v), _pow2(V))
-  Vp = -(-V // BV) * BV
-  operands = "bfloat16" if BF16_OPERANDS and prec == jax.lax.Precision.DEFAULT else "float32"
-
-  def pad(x, *target, cdt=jnp.dtype(operands)):
-    """x in `cdt` (the kernels' operand dtype; float32 for the decays and S0), zero-padded at the end of the
-    trailing axes: zero rows of U0, W and k_end and zero rows/columns of S0 leave the valid part of the
-    recurrence untouched. B and HV stay separate axes, so a batch-sharded caller's sharding reaches the kernel
-    ops unchanged."""
-    x = x.astype(cdt)
-    return jnp.pad(x, [(0, 0)] * (x.ndim - len(target)) + [(0, t - s) for s, t in zip(x.shape[-len(target):],
-                                                                                        target)])
-
-  decay = jnp.broadcast_to(loc.decay, loc.decay.shape[:-1] + (K,))  # per-head decay: the same for every row
-  interpret = default_interpret() if interpret is None else interpret
-  cfg = Config(prec=kernel_precision(prec, interpret), block_v=BV, interpret=interpret, delta=delta,
-               operands=operands)
-  f32 = functools.partial(pad, cdt=jnp.float32)
-  S_in, U, S_T = _state_pass(cfg, pad(loc.U, Cp, Vp), pad(loc.W, Cp, Kp) if delta else None,
-                             pad(loc.k_end, Cp, Kp), f32(decay, Kp), f32(S0, Kp, Vp))
+  cfg, args = _operands(loc, S0, prec, block_v, interpret)
+  S_in, U, S_T = _state_pass(cfg, *args)
+  (C, V), K = loc.U.shape[-2:], loc.k_end.shape[-1]
   return S_T[..., :K, :V], S_in[..., :K, :V], U[..., :C, :V]
+
+
+def output_pass(loc: intra_chunk.Local, S0, prec, *, out_dtype=jnp.float32, block_v: int = BLOCK_V,
+                interpret: Optional[bool] = None):
+  """`state_pass` with the output inside the kernel (FUSED_OUTPUT): O = Q_dec S_in + P U per chunk, what
+  `chunk.finish` computes from `state_pass`'s results, without S_in or U ever written. Arguments as
+  `state_pass`; `loc.q_dec` and `loc.P` are read too; out_dtype: O's dtype in memory.
+
+  Returns:
+    O [B, HV, N, C, V] in out_dtype (products accumulated in float32) and S_T [B, HV, K, V] float32.
+    Differentiated, the forward is `state_pass`'s kernel and O the XLA product (see `_output_pass_fwd`).
+  """
+  cfg, args = _operands(loc, S0, prec, block_v, interpret, output=out_dtype)
+  O, S_T = _output_pass(cfg, *args)
+  (C, V), K = loc.U.shape[-2:], loc.k_end.shape[-1]
+  return O[..., :C, :V], S_T[..., :K, :V]
 
 
 def pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.Dims, chunk_size: int,
@@ -335,11 +445,16 @@ def pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.
 
   def run(q, k, v, g, beta, initial_state, segment_ids):
     interp = default_interpret() if interpret is None else interpret
-    fused = (not interp) if FUSED_LOCAL is None else FUSED_LOCAL
-    local = functools.partial(pallas_local.local, interpret=interpret) if fused else intra_chunk.local
+    switch = lambda flag: (not interp) if flag is None else flag  # None: where the kernels compile
+    local = functools.partial(pallas_local.local, interpret=interpret) if switch(FUSED_LOCAL) else intra_chunk.local
     loc, _, _, _, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
                                       chunk_size=chunk_size, local=local)
-    S_T, S_in, U = state_pass(loc, initial(initial_state, dims, cdt), prec, block_v=block_v, interpret=interpret)
+    S0 = initial(initial_state, dims, cdt)
+    if switch(FUSED_OUTPUT):
+      out_dtype = v.dtype if v.dtype.itemsize < 4 else jnp.float32  # 16-bit: the op's output dtype
+      O, S_T = output_pass(loc, S0, prec, out_dtype=out_dtype, block_v=block_v, interpret=interpret)
+      return unchunk(O.astype(cdt), dims, chunk_size), S_T.astype(cdt)
+    S_T, S_in, U = state_pass(loc, S0, prec, block_v=block_v, interpret=interpret)
     return finish(loc, S_in, U, prec, dims, chunk_size), S_T.astype(cdt)
 
   return isolate_segments(run)(q, k, v, g, beta, initial_state, segment_ids)
