@@ -225,8 +225,9 @@ def main(argv=None) -> list:
   toks = tokens(a, m.vocab_size)
   dev = jax.devices()[0]
   n_tok = a.batch * a.seq_len
+  n_layers = "each row's" if a.depths else m.num_layers
   print(f"# {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}; {a.config} {' '.join(a.override)}: "
-        f"{m.pattern} x {m.num_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}, {m.dtype} compute, "
+        f"{m.pattern} x {n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}, {m.dtype} compute, "
         f"remat {m.remat}, method {m.recurrent.method}; {a.batch} x {a.seq_len} tokens a step; "
         f"{a.warmup} warm-up steps, median of {a.steps}; MFU against {peak_tflops:g} TFLOP/s")
   head = "| compile s | step ms | tokens/s | MFU | peak GiB | XLA GiB | loss |"

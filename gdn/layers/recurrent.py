@@ -165,9 +165,10 @@ class RecurrentMixer(nnx.Module):
     """The fused decode kernel's layout where it runs this call, else None (the XLA path): a decode step (T == 1
     with a cache) of a fused layer (`fuse`) of the Gated DeltaNet variant (short conv, l2 q/k norm, per-head
     decay and beta, full-rank SiLU gate into the gated RMSNorm; GVA and allow_neg_eigval allowed) in 16/32-bit
-    floats, with `pallas_decode.DECODE_KERNEL` on and shapes the kernel takes. Read at trace time."""
+    floats, with `pallas_decode.enabled` for its batch and shapes the kernel takes. Read at trace time."""
     cfg = self.cfg
-    if cache is None or T != 1 or segment_ids is not None or self.in_proj is None or not pallas_decode.enabled():
+    if (cache is None or T != 1 or segment_ids is not None or self.in_proj is None
+        or not pallas_decode.enabled(cache.S.shape[0])):
       return None
     offsets = self.in_proj.offsets()
     if (tuple(offsets) != ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj") or self.conv is None

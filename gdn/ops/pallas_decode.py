@@ -48,17 +48,21 @@ from gdn.ops.pallas_common import default_interpret
 
 # The fused kernel in `RecurrentMixer`'s decode step (T == 1 with a cache, fused projections, the Gated DeltaNet
 # variant: `supports`): True, False, or None = where the Pallas kernels compile (not in the interpreter, whose
-# per-program loop would only slow CPU runs down). Read when the step is traced. False until the kernel has been
-# compiled and timed on a GPU (`experiments.bench_decode --paths lean_xla,lean_kernel`); then None.
-DECODE_KERNEL: Optional[bool] = False
+# per-program loop would only slow CPU runs down) and the batch has at least `MIN_BATCH` rows. Read when the step
+# is traced. On one H200 (d_model 2048, 12 layers, bf16; docs/benchmarks.md) the kernel took a token from 1.186 to
+# 1.030 ms at batch 8 and from 2.935 to 1.661 ms at batch 64, and was 6% slower at batch 1 (1.099 against 1.040).
+DECODE_KERNEL: Optional[bool] = None
+MIN_BATCH = 8  # the smallest batch at which the default (None) runs the kernel
 BLOCK_V = 64  # value channels per step of a program's loop: a [128, 64] float32 state block is 64 registers a thread
 NUM_WARPS = 4
 NUM_STAGES = 1
 
 
-def enabled() -> bool:
-  """Whether `DECODE_KERNEL` asks for the kernel now."""
-  return (not default_interpret()) if DECODE_KERNEL is None else bool(DECODE_KERNEL)
+def enabled(batch: int) -> bool:
+  """Whether `DECODE_KERNEL` asks for the kernel now, for a decode step of `batch` rows."""
+  if DECODE_KERNEL is None:
+    return not default_interpret() and batch >= MIN_BATCH
+  return bool(DECODE_KERNEL)
 
 
 def _pow2(n: int) -> bool:
