@@ -83,6 +83,17 @@ def bench(shape, method, dtype, reps, skip_time=False, f=None):
   return row
 
 
+def vjp_of(f):
+  """f's forward+backward as a function of (cotangents, *args): the VJP at args applied to the cotangents, which
+  are an argument (closed over, they would be compiled in as constants)."""
+
+  def fwd_bwd(cts, *a):
+    _, vjp = jax.vjp(f, *a)
+    return vjp(cts)
+
+  return fwd_bwd
+
+
 # The stages of method="pallas" as prefixes of it: each prefix's outputs are what the next stage reads.
 STAGES = ("prepare", "state pass", "finish")
 
@@ -116,13 +127,8 @@ def breakdown(shape, dtype, reps):
   rows = []
   for name, f in zip(STAGES, pallas_prefixes()):
     cts = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), s.dtype), jax.eval_shape(f, *args))
-
-    def fwd_bwd(cts, *a, f=f):  # the cotangents are arguments: closed over, they would be compiled in as constants
-      _, vjp = jax.vjp(f, *a)
-      return vjp(cts)
-
     rows.append(dict(stage=name, fwd_ms=timed(jax.jit(f), args, reps),
-                     fb_ms=timed(jax.jit(fwd_bwd), [cts] + args, reps)))
+                     fb_ms=timed(jax.jit(vjp_of(f)), [cts] + args, reps)))
   return rows
 
 

@@ -1,4 +1,5 @@
-"""The op benchmark's shape presets and its inputs: (B, T, H, D) with H = HV heads, K = V = D, per-head g and beta."""
+"""The op benchmark's shape presets and its inputs: (B, T, H, D) with H = HV heads, K = V = D, per-head beta and
+per-head g (Gated DeltaNet) or per-key-channel g (KDA)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,19 @@ PRESETS = {  # shapes and the methods timed on them
 }
 
 
-def inputs(shape, dtype):
-  """q, k (unit rows), v, g (log-decays in [log 0.9, 0]), beta in (0, 1): the arrays every row times."""
+def inputs(shape, dtype, g_kind="head", g_dtype=None):
+  """q, k (unit rows), v, g (log-decays in [log 0.9, 0]), beta in (0, 1): the arrays every row times. g is
+  [B, T, H] for g_kind "head" and [B, T, H, D] (one decay per key channel, KDA's gate) for "channel", in
+  g_dtype (default: dtype). Returns the list and the generator, drawn on for anything else the row needs."""
+  if g_kind not in ("head", "channel"):
+    raise ValueError(f"g_kind must be 'head' or 'channel', got {g_kind!r}")
   B, T, H, D = shape
+  g_shape = (B, T, H) if g_kind == "head" else (B, T, H, D)
   rng = np.random.default_rng(0)
   k = rng.normal(size=(B, T, H, D)).astype(np.float32)
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
   args = [jnp.asarray(rng.normal(size=(B, T, H, D)), dtype), jnp.asarray(k, dtype),
           jnp.asarray(rng.normal(size=(B, T, H, D)), dtype),
-          jnp.asarray(np.log(rng.uniform(0.9, 1.0, (B, T, H))), dtype),
+          jnp.asarray(np.log(rng.uniform(0.9, 1.0, g_shape)), g_dtype or dtype),
           jnp.asarray(rng.uniform(0, 1, (B, T, H)), dtype)]
   return args, rng

@@ -9,13 +9,14 @@ import time
 import jax
 
 
-def timed(fn, args, reps: int) -> float:
-  """Median milliseconds of `fn(*args)` over `reps` calls, each blocked until ready, after one untimed call."""
-  jax.block_until_ready(fn(*args))
+def timed(fn, args, reps: int, sync=jax.block_until_ready) -> float:
+  """Median milliseconds of `fn(*args)` over `reps` calls, each followed by `sync(result)` (default: blocked until
+  JAX's arrays are ready; for PyTorch, `lambda _: torch.cuda.synchronize()`), after one untimed call."""
+  sync(fn(*args))
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    sync(fn(*args))
     times.append(1e3 * (time.perf_counter() - t0))
   return statistics.median(times)
 
