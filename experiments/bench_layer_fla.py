@@ -10,6 +10,7 @@ the process's. Rows keep the tokens per batch fixed (B = tokens // T).
   python -m experiments.bench_layer_fla                                   # the H200 shapes, gdn method auto
   python -m experiments.bench_layer_fla --lengths 8192 --method pallas
   python -m experiments.bench_layer_fla --lengths 8192 --method pallas --remats none,op,layer   # a row each
+  python -m experiments.bench_layer_fla --lengths 8192 --method pallas --local-groups 1,4,8      # a row each
   python -m experiments.bench_layer_fla --preset cpu --sides gdn          # a CPU smoke run (fla needs CUDA)
 
 fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (a numerics guard); for timing only the
@@ -31,14 +32,14 @@ PRESETS = {
 }
 
 
-def gdn_side(a, T: int, remat: str = "none") -> dict:
+def gdn_side(a, T: int, remat: str = "none", local_groups: int = 1) -> dict:
   import jax
   import jax.numpy as jnp
 
   from experiments.layer_residuals import layer_step
   from gdn.bench.timing import compiled_bytes, device_memory_stats, timed
 
-  loss, params = layer_step(a.d_model, a.heads, a.head_dim, a.method, remat, jnp.bfloat16)
+  loss, params = layer_step(a.d_model, a.heads, a.head_dim, a.method, remat, jnp.bfloat16, local_groups)
   x = jax.random.normal(jax.random.key(1), (a.tokens // T, T, a.d_model), jnp.bfloat16)
   compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
   ms = timed(compiled, (params, x), a.reps)
@@ -46,8 +47,8 @@ def gdn_side(a, T: int, remat: str = "none") -> dict:
   return dict(ms=ms, peak=peak, estimate=compiled_bytes(compiled))
 
 
-def fla_side(a, T: int, remat: str = "none") -> dict:
-  del remat  # gdn's switch
+def fla_side(a, T: int, remat: str = "none", local_groups: int = 1) -> dict:
+  del remat, local_groups  # gdn's switches
   import torch
   import fla.ops.common.chunk_o as chunk_o
   from fla.layers import GatedDeltaNet
@@ -79,15 +80,18 @@ def parse_args(argv=None):
   p.add_argument("--lengths", help="comma-separated sequence lengths T (override the preset)")
   p.add_argument("--method", default="auto", help="gdn's op method")
   p.add_argument("--remats", default="none", help="comma-separated RecurrentConfig.remat values for gdn (one row each)")
+  p.add_argument("--local-groups", default="1",
+                 help="comma-separated RecurrentConfig.local_groups values for gdn (one row each per remat)")
   p.add_argument("--sides", nargs="*", default=["gdn", "fla"], choices=sorted(SIDES))
-  p.add_argument("--worker", nargs=3, metavar=("SIDE", "T", "REMAT"), help=argparse.SUPPRESS)
+  p.add_argument("--worker", nargs=4, metavar=("SIDE", "T", "REMAT", "GROUPS"), help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   return apply_preset(a, PRESETS[a.preset], "lengths")
 
 
-def measure(side: str, T: int, remat: str, argv) -> dict:
-  """One (side, T, gdn remat) in a fresh process; its result, or the last line of its error."""
-  cmd = [sys.executable, "-m", "experiments.bench_layer_fla", *argv, "--worker", side, str(T), remat]
+def measure(side: str, T: int, remat: str, argv, local_groups: int = 1) -> dict:
+  """One (side, T, gdn remat, gdn local_groups) in a fresh process; its result, or the last line of its error."""
+  cmd = [sys.executable, "-m", "experiments.bench_layer_fla", *argv, "--worker", side, str(T), remat,
+         str(local_groups)]
   p = subprocess.run(cmd, capture_output=True, text=True)
   lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
   if lines:
@@ -99,25 +103,27 @@ def main(argv=None) -> list:
   argv = list(sys.argv[1:] if argv is None else argv)
   a = parse_args(argv)
   if a.worker:
-    side, T, remat = a.worker
-    print("RESULT " + json.dumps(SIDES[side](a, int(T), remat)), flush=True)
+    side, T, remat, groups = a.worker
+    print("RESULT " + json.dumps(SIDES[side](a, int(T), remat, int(groups))), flush=True)
     return []
   gib = lambda r: f"{r['peak'] / 2**30:.2f}" if r.get("peak") else "-"
   ms = lambda r: f"{r['ms']:.2f}" if "ms" in r else r.get("error", "-")
   print(f"# one Gated DeltaNet layer, fwd+bwd: d_model {a.d_model}, {a.heads} heads x {a.head_dim}, {a.tokens} "
         f"tokens a batch, bfloat16 activations, float32 parameters; gdn method {a.method}; median of {a.reps}")
-  print("| T | B | gdn remat | gdn ms | fla ms | gdn / fla | gdn peak GiB | fla peak GiB | gdn XLA estimate GiB |")
-  print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+  print("| T | B | gdn remat | gdn local_groups | gdn ms | fla ms | gdn / fla | gdn peak GiB | fla peak GiB | "
+        "gdn XLA estimate GiB |")
+  print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
   rows = []
   for T in a.lengths:
     f = measure("fla", T, "none", argv) if "fla" in a.sides else {}
-    for remat in a.remats.split(","):
-      g = measure("gdn", T, remat, argv) if "gdn" in a.sides else {}
+    for remat, groups in ((r, int(G)) for r in a.remats.split(",") for G in a.local_groups.split(",")):
+      g = measure("gdn", T, remat, argv, groups) if "gdn" in a.sides else {}
       ratio = f"{g['ms'] / f['ms']:.2f}x" if "ms" in g and "ms" in f else "-"
       est = f"{g['estimate'] / 2**30:.2f}" if g.get("estimate") else "-"
-      print(f"| {T} | {a.tokens // T} | {remat} | {ms(g)} | {ms(f)} | {ratio} | {gib(g)} | {gib(f)} | {est} |",
-            flush=True)
-      rows.append(dict(T=T, remat=remat, **{f"{s}_{k}": v for s, r in (("gdn", g), ("fla", f)) for k, v in r.items()}))
+      print(f"| {T} | {a.tokens // T} | {remat} | {groups} | {ms(g)} | {ms(f)} | {ratio} | {gib(g)} | {gib(f)} | "
+            f"{est} |", flush=True)
+      rows.append(dict(T=T, remat=remat, local_groups=groups,
+                       **{f"{s}_{k}": v for s, r in (("gdn", g), ("fla", f)) for k, v in r.items()}))
   return rows
 
 

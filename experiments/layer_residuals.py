@@ -27,10 +27,11 @@ from gdn.config import MIXER_REMATS, recurrent_preset
 from gdn.layers.recurrent import RecurrentMixer
 
 
-def layer_step(d_model: int, heads: int, head_dim: int, method: str, remat: str, dtype):
+def layer_step(d_model: int, heads: int, head_dim: int, method: str, remat: str, dtype, local_groups: int = 1):
   """(loss(params, x), params) of one gated_deltanet RecurrentMixer with float32 parameters: the sum of its
   output (the training step of experiments/bench_layer_fla.py too)."""
-  cfg = recurrent_preset("gated_deltanet", num_heads=heads, head_dim=head_dim, method=method, remat=remat)
+  cfg = recurrent_preset("gated_deltanet", num_heads=heads, head_dim=head_dim, method=method, remat=remat,
+                         local_groups=local_groups)
   graphdef, params, rest = nnx.split(RecurrentMixer(cfg, d_model, dtype=dtype, rngs=nnx.Rngs(0)), nnx.Param, ...)
 
   def loss(params, x):

@@ -70,12 +70,16 @@ class RecurrentConfig:
   # "op" only the op's inputs q, k, v, g, beta (its chunk-local work and states run again in the backward);
   # "layer" only the projections of x: short conv, SiLU, l2norm, gates, the op and the output norm run again.
   remat: str = "none"
+  # The op's backward of its chunk-local work over this many groups of chunks, one group at a time (less memory,
+  # the same values to float32 rounding; `gated_delta_rule(local_groups=...)`); 1: all chunks at once.
+  local_groups: int = 1
 
   def __post_init__(self):
     _positive("num_heads", self.num_heads)
     _positive("head_dim", self.head_dim)
     _positive("conv_size", self.conv_size)
     _positive("chunk_size", self.chunk_size)
+    _positive("local_groups", self.local_groups)
     if self.num_v_heads is not None and (self.num_v_heads < 1 or self.num_v_heads % self.num_heads):
       raise ValueError(f"num_v_heads must be a positive multiple of num_heads={self.num_heads}, "
                        f"got {self.num_v_heads}")

@@ -26,16 +26,18 @@ def test_bench_layers_table(capsys):
 
 
 def test_bench_layer_fla_gdn_side_on_cpu(capsys):
-  """The gdn side of experiments/bench_layer_fla.py runs in its own process and fills its columns; the fla side
-  (CUDA only) is left out here, and its cells say so rather than hold a number."""
+  """The gdn side of experiments/bench_layer_fla.py runs in its own process and fills its columns, a row per
+  --local-groups value; the fla side (CUDA only) is left out here, and its cells say so rather than hold a number."""
   from experiments import bench_layer_fla
 
-  rows = bench_layer_fla.main(["--preset", "cpu", "--sides", "gdn", "--method", "chunk"])
+  rows = bench_layer_fla.main(["--preset", "cpu", "--sides", "gdn", "--method", "chunk", "--local-groups", "1,2"])
   out = capsys.readouterr().out
-  row = [line for line in out.splitlines() if line.startswith("| 128 |")]
-  assert len(row) == 1, out
-  cells = [c.strip() for c in row[0].strip("|").split("|")]
-  assert cells[2] == "none" and rows[0]["remat"] == "none", cells  # RecurrentConfig.remat's default
-  assert float(cells[3]) > 0 and cells[4] == "-" and cells[5] == "-", cells  # gdn ms; no fla ms, no ratio
-  assert float(cells[8]) >= 0 and rows[0]["gdn_estimate"] > 0  # XLA's estimate (the CPU has no allocator peak)
-  assert rows[0]["gdn_ms"] > 0 and "fla_ms" not in rows[0]
+  lines = [line for line in out.splitlines() if line.startswith("| 128 |")]
+  assert len(lines) == 2, out
+  for line, groups, r in zip(lines, ("1", "2"), rows):
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[2] == "none" and r["remat"] == "none", cells  # RecurrentConfig.remat's default
+    assert cells[3] == groups and r["local_groups"] == int(groups), cells
+    assert float(cells[4]) > 0 and cells[5] == "-" and cells[6] == "-", cells  # gdn ms; no fla ms, no ratio
+    assert float(cells[9]) >= 0 and r["gdn_estimate"] > 0  # XLA's estimate (the CPU has no allocator peak)
+    assert r["gdn_ms"] > 0 and "fla_ms" not in r

@@ -131,7 +131,8 @@ def load(source, cfg: ModelConfig, layout: Layout, layer_params: Callable[[Parts
 
 # Export: our LanguageModel as a checkpoint folder that the source's own class loads.
 
-FREE = {"init_std", "dtype", "mlp_ratio", "method", "chunk_size", "dropout", "dt_init", "implementation"}
+FREE = {"init_std", "dtype", "mlp_ratio", "method", "chunk_size", "local_groups", "dropout", "dt_init",
+        "implementation"}
 
 
 def _settings(cfg: ModelConfig) -> dict:

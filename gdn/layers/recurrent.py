@@ -228,7 +228,7 @@ class RecurrentMixer(nnx.Module):
                                method=method, chunk_size=cfg.chunk_size)
       else:
         op = functools.partial(ops.gated_delta_rule, scale=1.0, initial_state=S0, segment_ids=segment_ids,
-                               method=cfg.method, chunk_size=cfg.chunk_size)
+                               method=cfg.method, chunk_size=cfg.chunk_size, local_groups=cfg.local_groups)
       if cfg.remat == "op" and cache is None:
         # Only the op's inputs are kept; its chunk-local work and chunk states run again in the backward.
         op = jax.checkpoint(op, policy=jax.checkpoint_policies.nothing_saveable)

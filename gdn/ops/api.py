@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax
 
-from gdn.ops import checks
+from gdn.ops import checks, intra_chunk
 from gdn.ops.associative import associative
 from gdn.ops.chunk import chunk
 from gdn.ops.pallas_chunk import pallas
@@ -35,7 +35,7 @@ def pick_method(dims: checks.Dims, chunk_size: int) -> str:
 
 
 def gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
-                     method="auto", chunk_size=64):
+                     method="auto", chunk_size=64, local_groups=None):
   """The gated delta rule over a sequence. Per value head and time step, exactly:
 
     S   <- Diag(exp(g_t)) S                        # decay first: scalar or one factor per key row
@@ -50,13 +50,19 @@ def gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None, initial_state=No
       from zero wherever the id differs from the previous position's.
     method: "auto", "recurrent", "chunk", "associative" or "pallas" (the chunk form with its sequential
       part as a Pallas kernel; per-head or no beta only). chunk_size: tokens per chunk.
+    local_groups: the chunked methods run the backward of their chunk-local work over this many groups of
+      chunks in turn, recomputing each group's forward, so that its float32 intermediates exist for one group
+      at a time (less memory, the same values to float32 rounding); 1 = all chunks at once (XLA's autodiff);
+      None = `intra_chunk.LOCAL_GROUPS` (1). The token scan ignores it.
   Returns:
     o [B, T, HV, V] in v's dtype, and the final state [B, HV, K, V] in float32.
   """
   dims = checks.check_sequence(q, k, v, g, beta, initial_state, segment_ids, scale, method, chunk_size)
+  groups = intra_chunk.check_groups(local_groups)
   if method == "auto":
     method = pick_method(dims, chunk_size)
   impl = _IMPLS[method]
+  chunked = {} if method == "recurrent" else dict(local_groups=groups)
   o, S = impl(q, k, v, g, beta, scale=checks.default_scale(scale, dims.K), initial_state=initial_state,
-              segment_ids=segment_ids, dims=dims, chunk_size=chunk_size)
+              segment_ids=segment_ids, dims=dims, chunk_size=chunk_size, **chunked)
   return o.astype(v.dtype), S

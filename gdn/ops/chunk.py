@@ -18,6 +18,11 @@ STATES = "gdn_chunk_states"  # checkpoint name of the per-chunk entering states:
 # 16-bit callers get 16-bit chunk-local operands (q, k, v in, and q_dec, k_dec, k_end, P, W, U out; products
 # accumulate in float32, decays, gates, the triangular inverse and the state stay float32). False: float32 throughout.
 BF16_LOCAL = True
+# The backward of the chunk scan and the output as one explicit reverse scan over the chunks (`_output_pass`), for
+# per-head or no beta: keeps S_in and U once (JAX's autodiff of the scan keeps them twice, as its outputs and as
+# its residuals), never stacks their float32 cotangents, and returns 16-bit cotangents for the 16-bit operands.
+# False: JAX's autodiff of `scan_chunks` and `finish` (today).
+OUTPUT_VJP = False
 
 
 def compute_dtype(dtype):
@@ -109,9 +114,10 @@ def isolate_segments(run):
 
 
 def prepare(q, k, v, g, beta, *, scale, segment_ids, dims: checks.Dims, chunk_size: int, solver="blocked",
-            local=intra_chunk.local):
+            local=intra_chunk.local, local_groups: int = 1):
   """Pad, chunk and compute the chunk-local quantities with `local` (`intra_chunk.local` or a function of its
-  signature, such as `pallas_local.local`). Returns (Local, v_chunks, beta_chunks, N, cdt, prec)."""
+  signature, such as `pallas_local.local`), its backward over `local_groups` groups of chunks
+  (`intra_chunk.grouped`). Returns (Local, v_chunks, beta_chunks, N, cdt, prec)."""
   B, T, HV = dims.B, dims.T, dims.HV
   C = chunk_size
   N = -(-T // C)
@@ -130,18 +136,18 @@ def prepare(q, k, v, g, beta, *, scale, segment_ids, dims: checks.Dims, chunk_si
   lead = (B, HV, N)
   flat = lambda x: None if x is None else jnp.broadcast_to(x, lead + x.shape[3:]).reshape((-1,) + x.shape[3:])
   masks = None if masks is None else tuple(map(flat, masks))
-  loc = local(flat(qc), flat(kc), flat(vc), flat(gc), flat(bc), masks, beta_kind=dims.beta_kind, prec=prec,
-              solver=solver)
+  loc = intra_chunk.grouped(local, local_groups)(flat(qc), flat(kc), flat(vc), flat(gc), flat(bc), masks,
+                                                 beta_kind=dims.beta_kind, prec=prec, solver=solver)
   loc = jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), loc)
   return loc, vc, bc, N, cdt, prec
 
 
 def write_vectors(loc: intra_chunk.Local, S_in, beta_c, prec):
   """U for every chunk given its entering state S_in [B, HV, N, K, V]."""
+  if loc.W is not None:  # per-head beta (A may be None: `pallas_local`, `intra_chunk.grouped` leave it out)
+    return loc.U - intra_chunk.mm("...ck,...kv->...cv", loc.W, S_in, precision=prec)
   if loc.A is None:
     return loc.U
-  if loc.W is not None:
-    return loc.U - intra_chunk.mm("...ck,...kv->...cv", loc.W, S_in, precision=prec)
   return _solve_channel_beta(loc.A, beta_c, loc.U, loc.k_dec, S_in, prec)
 
 
@@ -158,22 +164,75 @@ def next_state(loc_n, S, U, prec):
   return loc_n.decay[..., None] * S + intra_chunk.mm("...ck,...cv->...kv", loc_n.k_end, U, precision=prec)
 
 
+def _n_first(x):
+  """[B, HV, N, ...] -> [N, B, HV, ...] (None stays None): the layout a `lax.scan` over chunks walks."""
+  return None if x is None else jnp.moveaxis(x, 2, 0)
+
+
 def scan_chunks(loc: intra_chunk.Local, beta_c, S0, prec, collect: bool = True):
   """The chunk-to-chunk recurrence as a sequential `lax.scan` from S0 [B, HV, K, V'] (V' may differ from V
   when the caller scans a stacked state). Returns the end state and, with `collect`, the entering states
   S_in [B, HV, N, K, V'] and write vectors U [B, HV, N, C, V'] (else None, None)."""
-  n_first = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)
-
   def body(S, xs):
     loc_n, b_n = xs
     U = write_vectors(loc_n, S, b_n, prec)
     return next_state(loc_n, S, U, prec), ((S, U) if collect else None)
 
-  S_T, ys = jax.lax.scan(body, S0, (jax.tree.map(n_first, loc), n_first(beta_c)))
+  S_T, ys = jax.lax.scan(body, S0, (jax.tree.map(_n_first, loc), _n_first(beta_c)))
   if not collect:
     return S_T, None, None
   S_in, U = ys
   return S_T, jnp.moveaxis(S_in, 0, 2), jnp.moveaxis(U, 0, 2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _output_pass(prec, q_dec, P, U0, W, k_end, decay, S0):
+  """O = Q_dec S_in + P U per chunk [B, HV, N, C, V] (float32) and S_T, from `scan_chunks` (per-head or no beta:
+  W None) and `chunk_outputs`; its backward is the explicit reverse scan of `_output_pass_bwd`."""
+  return _output_pass_fwd(prec, q_dec, P, U0, W, k_end, decay, S0)[0]
+
+
+def _output_pass_fwd(prec, q_dec, P, U0, W, k_end, decay, S0):
+  loc = intra_chunk.Local(q_dec=None, k_dec=None, k_end=k_end, decay=decay, P=None, A=None, W=W, U=U0)
+  S_T, S_in, U = scan_chunks(loc, None, S0, prec)
+  res = (q_dec, P, W, k_end, decay, S_in, U, jnp.zeros((0,), U0.dtype))  # U0's dtype, in an array
+  return (chunk_outputs(q_dec, P, S_in, U, prec), S_T), res
+
+
+def _output_pass_bwd(prec, res, cts):
+  """The VJP of the output and the chunk recurrence, chunk by chunk in reverse with the state's cotangent dS as
+  the carry (the output's VJP, then the Pallas backward kernel's arithmetic, `pallas_chunk._backward_kernel`):
+  per chunk n, from dO = dO[n] and dS leaving the chunk,
+    dq_dec = dO S_in^T;  dP = dO U^T;  dU = P^T dO + k_end dS;  dU0 = dU;  dk_end = U dS^T;
+    ddecay = rowsum(S_in * dS);  dW = -dU S_in^T;  dS <- Diag(decay) dS + q_dec^T dO - W^T dU.
+  Each cotangent leaves the loop in its primal's dtype; the cotangents of S_in and U are never stacked."""
+  q_dec, P, W, k_end, decay, S_in, U, u0 = res
+  dO, dS_T = cts
+  dot = lambda spec, *xs: intra_chunk.mm(spec, *xs, precision=prec)
+
+  def body(dS, xs):
+    q_n, P_n, W_n, k_n, d_n, S_n, U_n, dO_n = xs
+    dq = dot("...cv,...kv->...ck", dO_n, S_n)
+    dP = dot("...tv,...iv->...ti", dO_n, U_n)
+    dU_n = dot("...ti,...tv->...iv", P_n, dO_n) + dot("...ck,...kv->...cv", k_n, dS)
+    dk = dot("...cv,...kv->...ck", U_n, dS)
+    dd = jnp.sum(S_n * dS, axis=-1)
+    dd = jnp.sum(dd, axis=-1, keepdims=True) if d_n.shape[-1] == 1 else dd  # per-head decay: one factor
+    dS_prev = d_n[..., None] * dS + dot("...ck,...cv->...kv", q_n, dO_n)
+    dW = None
+    if W_n is not None:
+      dW = (-dot("...cv,...kv->...ck", dU_n, S_n)).astype(W_n.dtype)
+      dS_prev = dS_prev - dot("...ck,...cv->...kv", W_n, dU_n)
+    cast = lambda x, like: x.astype(like.dtype)
+    return dS_prev, (cast(dq, q_n), cast(dP, P_n), dU_n.astype(u0.dtype), dW, cast(dk, k_n), cast(dd, d_n))
+
+  xs = tuple(map(_n_first, (q_dec, P, W, k_end, decay, S_in, U, dO)))
+  dS0, ys = jax.lax.scan(body, dS_T, xs, reverse=True)
+  dq_dec, dP, dU0, dW, dk_end, ddecay = (None if y is None else jnp.moveaxis(y, 0, 2) for y in ys)
+  return dq_dec, dP, dU0, dW, dk_end, ddecay, dS0
+
+
+_output_pass.defvjp(_output_pass_fwd, _output_pass_bwd)
 
 
 def chunk_outputs(q_dec, P, S_in, U, prec):
@@ -201,16 +260,21 @@ def initial(initial_state, dims, cdt):
 
 
 def chunk(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.Dims, chunk_size: int,
-          remat: bool = False, solver: str = "blocked"):
+          remat: bool = False, solver: str = "blocked", local_groups: int = 1):
   """`method="chunk"`. With `remat`, the backward keeps only the chunk-entering states and recomputes the
-  chunk-local work; off by default because it did not lower XLA's peak memory (docs/benchmarks.md)."""
+  chunk-local work; off by default because it did not lower XLA's peak memory (docs/benchmarks.md).
+  local_groups: the chunk-local stage's backward over that many groups of chunks (`intra_chunk.grouped`)."""
 
   chunk_size = min(chunk_size, dims.T)  # one chunk of T, not a chunk padded past the sequence
 
   def run(q, k, v, g, beta, initial_state, segment_ids):
     loc, vc, bc, N, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
-                                        chunk_size=chunk_size, solver=solver)
-    S_T, S_in, U = scan_chunks(loc, bc, initial(initial_state, dims, cdt), prec)
+                                        chunk_size=chunk_size, solver=solver, local_groups=local_groups)
+    S0 = initial(initial_state, dims, cdt)
+    if OUTPUT_VJP and (loc.W is not None or loc.A is None):  # not per-value-channel beta
+      O, S_T = _output_pass(prec, loc.q_dec, loc.P, loc.U, loc.W, loc.k_end, loc.decay, S0)
+      return unchunk(O, dims, chunk_size), S_T
+    S_T, S_in, U = scan_chunks(loc, bc, S0, prec)
     S_in = checkpoint_name(S_in, STATES)
     return finish(loc, S_in, U, prec, dims, chunk_size), S_T
 

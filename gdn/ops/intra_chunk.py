@@ -23,8 +23,15 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SUB_CHUNK = 16
+# The chunk-local stage's differentiated forward and backward over groups of chunks (`grouped`): 1 (today) lets JAX
+# differentiate `local`, which keeps its intermediates and runs its backward over all chunks at once; G > 1 keeps
+# only its inputs and runs forward and backward over G groups of chunks in turn, the backward recomputing each
+# group's forward, so that the float32 [C, C] and [C, K] intermediates and their cotangents exist for one group at
+# a time. The default of `gated_delta_rule(local_groups=None)`, read at the call.
+LOCAL_GROUPS = 1
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -212,3 +219,59 @@ def invert_unit_lower(L, prec, block: int = 16):
     bottom = jnp.concatenate([off, D], axis=-1)
     T = jnp.concatenate([top, bottom], axis=-2)
   return T[..., 0, :, :]
+
+
+def check_groups(local_groups) -> int:
+  """`local_groups` validated: a positive int (None: LOCAL_GROUPS, read now)."""
+  groups = LOCAL_GROUPS if local_groups is None else local_groups
+  if not isinstance(groups, (int, np.integer)) or isinstance(groups, bool) or groups < 1:
+    raise ValueError(f"local_groups must be a positive int (1: the chunk-local backward over all chunks at once), "
+                     f"got {groups!r}")
+  return int(groups)
+
+
+def grouped(local_fn, groups: int):
+  """`local_fn` (`local`'s signature, or a function of it such as `pallas_local.local`) with its backward run
+  over `groups` groups of chunks; `local_fn` itself when groups is 1.
+
+  A `jax.custom_vjp`: its primal (forward-only calls) is `local_fn` on all chunks at once, as before (its fused
+  kernel where it has one). Differentiated, the L chunks are padded to G groups of ceil(L / G) (zero chunks, masks
+  off) and the forward runs group after group (a `lax.map`, `local_fn`'s primal on each), keeping only the inputs;
+  the backward, group after group again, recomputes the group's forward and applies its VJP. So the float32
+  [C, C] and [C, K] intermediates, and their cotangents, exist for one group at a time. Every chunk's arithmetic is
+  the ungrouped one's, so the values are too, to float32 rounding. k_dec and A, which only the per-value-channel
+  solve reads, are left out (None) for the other variants, so no zero cotangent of theirs is made."""
+  if groups == 1:
+    return local_fn
+
+  def run(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "blocked") -> Local:
+    def fn(xs, masks):
+      loc = local_fn(*xs, masks, beta_kind=beta_kind, prec=prec, solver=solver)
+      return loc if beta_kind == "channel" else dataclasses.replace(loc, k_dec=None, A=None)
+
+    L = q.shape[0]
+    n = -(-L // groups)
+    split = lambda x: jnp.pad(x, [(0, n * groups - L)] + [(0, 0)] * (x.ndim - 1)).reshape((groups, n) + x.shape[1:])
+    merge = lambda x: x.reshape((n * groups,) + x.shape[2:])[:L]
+
+    def fwd(xs, masks):
+      # Differentiated: the forward group by group too, so its float32 temporaries exist for one group at a time.
+      out = jax.lax.map(lambda a: fn(*a), jax.tree.map(split, (xs, masks)))
+      return jax.tree.map(merge, out), (xs, masks)
+
+    def bwd(res, ct):
+      xs, masks = res
+      # every output's dtype (a cotangent may come back wider), before the split: 16-bit groups, not float32
+      ct = jax.tree.map(lambda c, o: c.astype(o.dtype), ct, jax.eval_shape(fn, xs, masks))
+
+      def one(args):
+        xs_g, masks_g, ct_g = args
+        return jax.vjp(lambda xs: fn(xs, masks_g), xs_g)[1](ct_g)[0]
+
+      return jax.tree.map(merge, jax.lax.map(one, jax.tree.map(split, (xs, masks, ct)))), None
+
+    call = jax.custom_vjp(fn)
+    call.defvjp(fwd, bwd)
+    return call((q, k, v, g, beta), masks)
+
+  return run

@@ -435,10 +435,10 @@ def output_pass(loc: intra_chunk.Local, S0, prec, *, out_dtype=jnp.float32, bloc
 
 
 def pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.Dims, chunk_size: int,
-           block_v: int = BLOCK_V, interpret: Optional[bool] = None):
+           block_v: int = BLOCK_V, interpret: Optional[bool] = None, local_groups: int = 1):
   """`method="pallas"`: `chunk` with its sequential chunk scan replaced by the Pallas kernels, and with
-  `FUSED_LOCAL` its chunk-local work by `pallas_local`'s kernel. Declines per-value-channel beta (its write
-  vectors need a solve per value channel inside the scan)."""
+  `FUSED_LOCAL` its chunk-local work by `pallas_local`'s kernel; local_groups as `chunk`'s. Declines
+  per-value-channel beta (its write vectors need a solve per value channel inside the scan)."""
   if dims.beta_kind == "channel":
     raise ValueError("method='pallas' does not support per-value-channel beta ([B, T, HV, V]); "
                      "use method='chunk' or 'recurrent', or a per-head beta [B, T, HV]")
@@ -449,7 +449,7 @@ def pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.
     switch = lambda flag: (not interp) if flag is None else flag  # None: where the kernels compile
     local = functools.partial(pallas_local.local, interpret=interpret) if switch(FUSED_LOCAL) else intra_chunk.local
     loc, _, _, _, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
-                                      chunk_size=chunk_size, local=local)
+                                      chunk_size=chunk_size, local=local, local_groups=local_groups)
     S0 = initial(initial_state, dims, cdt)
     if switch(FUSED_OUTPUT):
       out_dtype = v.dtype if v.dtype.itemsize < 4 else jnp.float32  # 16-bit: the op's output dtype
