@@ -116,7 +116,8 @@ def test_unknown_config_argument():
 
 def test_sweep_models_do_not_inherit_the_base_models_switches():
   cells = expand(load(os.path.join(ROOT, "configs", "state_tracking.py") + ":small"), results="/nonexistent")
-  assert {c.model for c in cells} == {"deltanet_beta01", "deltanet_beta02"}
+  assert {c.model for c in cells} == {"deltanet_beta01", "deltanet_beta02", "gated_deltanet_beta01",
+                                      "gated_deltanet_beta02"}
   for c in cells:
     assert c.config.model.recurrent.allow_neg_eigval == c.model.endswith("beta02"), c.id
   by_model = {c.model: c.config.model for c in expand(load(os.path.join(ROOT, "configs", "mqar.py")),
