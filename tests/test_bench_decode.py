@@ -31,11 +31,12 @@ def test_bench_decode_kernel_paths(capsys):
   Pallas' interpreter), and leave the switch as it was."""
   from gdn.ops import pallas_decode
 
+  before = pallas_decode.DECODE_KERNEL
   main(TINY[:-1] + ["8", "--patterns", "R", "--paths", "lean_xla,lean_kernel", "--batches", "1"])
   lines = capsys.readouterr().out.splitlines()
   rows = [line for line in lines if line.startswith("| R | lean_")]
   assert [r.split(" | ")[1] for r in rows[:2]] == ["lean_xla", "lean_kernel"]
-  assert pallas_decode.DECODE_KERNEL is False
+  assert pallas_decode.DECODE_KERNEL is before
 
 
 def test_ops_per_iteration_counts_nested_loops_by_trip_count():
