@@ -23,28 +23,10 @@ import jax
 import jax.numpy as jnp
 
 from gdn.bench.op_inputs import PRESETS, inputs
-from gdn.bench.plain_port import plain_port
+from gdn.bench.op_fns import make_fn, vjp_of
 from gdn.bench.roofline import floor_ms
 from gdn.bench.timing import peak_bytes, timed
 from gdn.ops import checks, gated_delta_rule, pallas_chunk, stages
-from gdn.ops.chunk import chunk
-
-
-def make_fn(method, dims):
-  """`method` is a gdn method name, "plain_port", or a chunk variant: "chunk_remat", "chunk_triangular",
-  "chunk_blocked" (the triangular solver forced)."""
-  if method == "plain_port":
-    return lambda q, k, v, g, b: plain_port(q, k, v, g, b)[0].astype(v.dtype)
-  if not method.startswith("chunk_"):
-    return lambda q, k, v, g, b: gated_delta_rule(q, k, v, g, b, method=method, chunk_size=64)[0]
-  variant = method[len("chunk_"):]
-  kw = dict(remat=True) if variant == "remat" else dict(solver=variant)
-
-  def f(q, k, v, g, b):
-    return chunk(q, k, v, g, b, scale=dims.K**-0.5, initial_state=None, segment_ids=None, dims=dims,
-                 chunk_size=64, **kw)[0].astype(v.dtype)
-
-  return f
 
 
 def pallas_with(switches):
@@ -81,17 +63,6 @@ def bench(shape, method, dtype, reps, skip_time=False, f=None):
   if not skip_time:
     row.update(fwd_ms=timed(fwd, args, reps), fb_ms=timed(fb, args, reps))
   return row
-
-
-def vjp_of(f):
-  """f's forward+backward as a function of (cotangents, *args): the VJP at args applied to the cotangents, which
-  are an argument (closed over, they would be compiled in as constants)."""
-
-  def fwd_bwd(cts, *a):
-    _, vjp = jax.vjp(f, *a)
-    return vjp(cts)
-
-  return fwd_bwd
 
 
 # The stages of method="pallas" as prefixes of it: each prefix's outputs are what the next stage reads.

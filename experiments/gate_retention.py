@@ -51,16 +51,19 @@ def main(argv=None):
     return g
 
   recurrent.RecurrentMixer._decay = recorded
-  for run in args.runs:
-    model, step, cfg = load(run)
-    b = mqar.batch(cfg.data.mqar, np.random.default_rng(123), 64, cfg.data.mqar.eval_settings[0][0], args.pairs)
-    decays.clear()
-    hit = np.asarray(model(jnp.asarray(b["inputs"])).argmax(-1)) == b["targets"]
-    print(f"{os.path.basename(run.rstrip('/'))}: step {step}, accuracy on this batch {hit[b['weights'] > 0].mean():.3f}")
-    for i, g in enumerate(decays):  # g: [B, T, heads]
-      kept = np.exp(g[:, args.after:].sum(1)).mean(0)
-      print(f"  layer {i}: mean decay per token {_heads(np.exp(g).mean((0, 1)))}, "
-            f"kept from token {args.after} to the end {_heads(kept)}")
+  try:
+    for run in args.runs:
+      model, step, cfg = load(run)
+      b = mqar.batch(cfg.data.mqar, np.random.default_rng(123), 64, cfg.data.mqar.eval_settings[0][0], args.pairs)
+      decays.clear()
+      hit = np.asarray(model(jnp.asarray(b["inputs"])).argmax(-1)) == b["targets"]
+      print(f"{os.path.basename(run.rstrip('/'))}: step {step}, accuracy on this batch {hit[b['weights'] > 0].mean():.3f}")
+      for i, g in enumerate(decays):  # g: [B, T, heads]
+        kept = np.exp(g[:, args.after:].sum(1)).mean(0)
+        print(f"  layer {i}: mean decay per token {_heads(np.exp(g).mean((0, 1)))}, "
+              f"kept from token {args.after} to the end {_heads(kept)}")
+  finally:
+    recurrent.RecurrentMixer._decay = original
 
 
 if __name__ == "__main__":
