@@ -28,14 +28,24 @@ def evaluate(eval_step, params, rest, sets: EvalSets) -> dict:
   last_accuracy (each example's last supervised token), bits_per_byte for byte-level text, scaled_accuracy
   (acc - chance) / (1 - chance) where chance is known. Keys "<split>/<name>", and "<name>" for the mean over
   splits."""
-  task = sets.task
+  return metrics(sets.task, {split.name: add(eval_step(params, rest, batch) for batch in sets.batches(split))
+                             for split in sets.task.evals})
+
+
+def add(stats) -> dict:
+  """The sums over batches of `eval_step` statistics, on the host (arrays of any shape, summed elementwise)."""
+  sums = None
+  for s in stats:
+    s = jax.device_get(s)
+    sums = s if sums is None else {k: sums[k] + s[k] for k in sums}
+  return sums
+
+
+def metrics(task: Task, sums: dict) -> dict:
+  """`evaluate`'s metrics from the statistics summed over each split's batches ({split name: sums})."""
   out = {}
   for split in task.evals:
-    sums = None
-    for batch in sets.batches(split):
-      stats = jax.device_get(eval_step(params, rest, batch))
-      sums = stats if sums is None else {k: sums[k] + stats[k] for k in sums}
-    s = {k: float(v) for k, v in sums.items()}
+    s = {k: float(v) for k, v in sums[split.name].items()}
     m = dict(loss=s["nll"] / max(s["weight"], 1.0), accuracy=s["correct"] / max(s["weight"], 1.0),
              seq_accuracy=s["seq_correct"] / max(s["seqs"], 1.0), last_accuracy=s["last_correct"] / max(s["seqs"], 1.0))
     if task.bits_per_token:

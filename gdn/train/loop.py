@@ -24,10 +24,6 @@ def _sync(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-def _has_checkpoints(directory: str) -> bool:
-  return os.path.isdir(directory) and any(d.isdigit() for d in os.listdir(directory))
-
-
 class _NoWriter:
   """The metric writer of processes other than 0: they compute the same metrics, process 0 records them."""
 
@@ -36,6 +32,23 @@ class _NoWriter:
 
   def close(self):
     pass
+
+
+def load_task(cfg: ExperimentConfig, rows=None, log=print):
+  """The task of `cfg` with its train.last_step training batches (their `rows` only, if given); a missing or
+  malformed data file, or a vocabulary larger than the model's, is a ConfigError."""
+  last, B = cfg.train.last_step, cfg.data.batch_size
+  try:
+    task = make_task(cfg.data, cfg.seed, last, rows)
+  except (OSError, ValueError) as e:  # a missing or malformed data file; the message names its config key
+    raise ConfigError(str(e)) from None
+  if task.vocab_size > cfg.model.vocab_size:
+    raise ConfigError(f"config.model.vocab_size {cfg.model.vocab_size} is smaller than the vocabulary of task "
+                      f"{task.name!r} ({task.vocab_size})")
+  if task.train_windows:  # how often a text run sees its data, which decides whether it can overfit
+    log(f"data: {last * B:,} training windows of {task.train_windows:,} in the train split "
+        f"({last * B / task.train_windows:.2f} epochs)")
+  return task
 
 
 def train(cfg: ExperimentConfig, log=print) -> dict:
@@ -61,7 +74,7 @@ def _train(cfg: ExperimentConfig, log) -> dict:
   if not primary:
     log = lambda *a: None
   ckdir = os.path.join(workdir, "checkpoints")
-  mode = workdirs.decide(workdir, workdirs.as_json(cfg), _has_checkpoints(ckdir))
+  mode = workdirs.decide(workdir, workdirs.as_json(cfg), workdirs.has_checkpoints(ckdir))
   tc = cfg.train
   last = tc.last_step
   B = cfg.data.batch_size
@@ -78,16 +91,7 @@ def _train(cfg: ExperimentConfig, log) -> dict:
                       "devices that split the batch (mesh_data * mesh_fsdp)")
   # One process loads whole batches exactly as it always has; with several, each loads its devices' rows.
   rows = sharding.process_rows(mesh, B) if jax.process_count() > 1 else None
-  try:
-    task = make_task(cfg.data, cfg.seed, last, rows)
-  except (OSError, ValueError) as e:  # a missing or malformed data file; the message names its config key
-    raise ConfigError(str(e)) from None
-  if task.vocab_size > cfg.model.vocab_size:
-    raise ConfigError(f"config.model.vocab_size {cfg.model.vocab_size} is smaller than the vocabulary of task "
-                      f"{task.name!r} ({task.vocab_size})")
-  if task.train_windows:  # how often a text run sees its data, which decides whether it can overfit
-    log(f"data: {last * B:,} training windows of {task.train_windows:,} in the train split "
-        f"({last * B / task.train_windows:.2f} epochs)")
+  task = load_task(cfg, rows, log)
   tx = optimizer.make_optimizer(tc)
   lr = optimizer.lr_shape(tc)
   graphdef, state = step.init(cfg.model, tx, cfg.seed)
@@ -158,10 +162,8 @@ def _train(cfg: ExperimentConfig, log) -> dict:
       what = f"step {ps}: loss {pm['loss']}, gradient norm {pm['grad_norm']}"
       if skipped > tc.skip_nonfinite:
         kept = ckpts.latest_step()
-        raise NonFiniteLoss(
-            f"{what}: not finite, stopped ({skipped - 1} such steps skipped before, "
-            f"config.train.skip_nonfinite={tc.skip_nonfinite} allowed); nothing after the last good checkpoint "
-            f"({'none yet' if kept is None else f'step {kept}'}) was saved")
+        raise NonFiniteLoss(f"{nonfinite_stop(what, skipped, tc.skip_nonfinite)}; nothing after the last good "
+                            f"checkpoint ({'none yet' if kept is None else f'step {kept}'}) was saved")
       log(f"{what}: not finite, update skipped ({skipped} of config.train.skip_nonfinite={tc.skip_nonfinite})")
 
   try:
@@ -197,12 +199,24 @@ def _train(cfg: ExperimentConfig, log) -> dict:
     ckpts.close()
     writer.close()
 
-  # steps: the steps trained, fewer than train.last_step when stopped_early.
-  summary = dict(name=cfg.name, workdir=os.path.abspath(workdir), steps=last, stopped_early=stopped,
-                 params=n_params, seconds=time.perf_counter() - t0, eval=final_eval)
+  return summarize(cfg, last, stopped, n_params, time.perf_counter() - t0, final_eval, write=primary)
+
+
+def nonfinite_stop(what: str, skipped: int, allowed: int) -> str:
+  """Why a run stops at its `skipped`-th non-finite step; what: "step s: loss x, gradient norm y"."""
+  return (f"{what}: not finite, stopped ({skipped - 1} such steps skipped before, "
+          f"config.train.skip_nonfinite={allowed} allowed)")
+
+
+def summarize(cfg: ExperimentConfig, steps: int, stopped: bool, n_params: int, seconds: float, final_eval: dict,
+              write: bool = True) -> dict:
+  """The run's summary, written to summary.json in its work directory if `write`. steps: the steps trained,
+  fewer than train.last_step when stopped_early."""
+  summary = dict(name=cfg.name, workdir=os.path.abspath(cfg.run_dir), steps=steps, stopped_early=stopped,
+                 params=n_params, seconds=seconds, eval=final_eval)
   if cfg.data.task == "tokens":  # the digests of a gdn-corpus build name the exact bytes trained on
     summary["corpus"] = corpus.describe(cfg.data.text.train_file)
-  if primary:
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
+  if write:
+    with open(os.path.join(cfg.run_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
   return summary

@@ -54,8 +54,19 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
   return optax.chain(*parts, adamw, optax.scale_by_schedule(lr_shape(cfg)))
 
 
+def _is_hp(x) -> bool:
+  return isinstance(x, tuple) and hasattr(x, "hyperparams")  # optax's inject_hyperparams state
+
+
 def peak_lr(opt_state):
   """The peak learning rate held in a `make_optimizer` state."""
-  is_hp = lambda x: isinstance(x, tuple) and hasattr(x, "hyperparams")  # optax's inject_hyperparams state
-  (hp,) = [s for s in jax.tree_util.tree_leaves(opt_state, is_leaf=is_hp) if is_hp(s)]
+  (hp,) = [s for s in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_hp) if _is_hp(s)]
   return hp.hyperparams["learning_rate"]
+
+
+def with_peak_lr(opt_state, learning_rate):
+  """`opt_state` with its peak learning rate replaced: stacked cells (gdn/train/stacked.py) share one optimizer
+  and hold their rates [N] in their states."""
+  def put(s):
+    return s._replace(hyperparams={**s.hyperparams, "learning_rate": learning_rate}) if _is_hp(s) else s
+  return jax.tree_util.tree_map(put, opt_state, is_leaf=_is_hp)

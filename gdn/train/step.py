@@ -26,8 +26,9 @@ class TrainState:
   opt_state: Any
 
 
-def init(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int):
-  """(graphdef, TrainState) for a freshly initialised model."""
+def init(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed):
+  """(graphdef, TrainState) for a freshly initialised model; seed: an int, or a PRNG key (which can be traced:
+  gdn/train/stacked.py vmaps this over the keys of several seeds)."""
   model = LanguageModel(model_cfg, rngs=nnx.Rngs(seed))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   return graphdef, TrainState(jnp.zeros((), jnp.int32), params, rest, tx.init(params))
@@ -104,10 +105,15 @@ def _on_mesh(mesh):
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=None, loss_chunk: int = 0):
-  """The jitted step; the incoming state's buffers are donated (updated in place). tx: `make_optimizer`'s;
-  lr_shape: `optimizer.lr_shape(cfg)`, for the logged rate (its peak is read from the optimizer state);
-  loss_chunk: train.loss_chunk (positions of every row per application of the output head in the loss; 0 =
-  all at once).
+  """`train_step_fn`'s step, jitted; the incoming state's buffers are donated (updated in place)."""
+  return jax.jit(train_step_fn(graphdef, tx, lr_shape, mesh, loss_chunk), donate_argnums=0)
+
+
+def train_step_fn(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=None, loss_chunk: int = 0):
+  """The pure step `(state, batch) -> (state, metrics)`, unjitted (gdn/train/stacked.py vmaps it).
+  tx: `make_optimizer`'s; lr_shape: `optimizer.lr_shape(cfg)`, for the logged rate (its peak is read from the
+  optimizer state); loss_chunk: train.loss_chunk (positions of every row per application of the output head in
+  the loss; 0 = all at once).
 
   mesh: None, or the `sharding.make_mesh` mesh the state and batches are sharded over: the model is traced
   under it, and the gradients are constrained to the parameters' FSDP sharding so that the sum over devices of
@@ -153,14 +159,18 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=N
                    nonfinite=1.0 - finite.astype(jnp.float32))
     return new, metrics
 
-  return jax.jit(train_step, donate_argnums=0)
+  return train_step
 
 
 def make_eval_step(graphdef, mesh=None, loss_chunk: int = 0):
-  """Sums of the eval statistics over one batch (summed again over batches on the host). mesh, loss_chunk: as
-  for `make_train_step`; eval never uses context parallelism."""
+  """`eval_step_fn`'s step, jitted."""
+  return jax.jit(eval_step_fn(graphdef, mesh, loss_chunk))
 
-  @jax.jit
+
+def eval_step_fn(graphdef, mesh=None, loss_chunk: int = 0):
+  """Sums of the eval statistics over one batch (summed again over batches on the host), unjitted. mesh,
+  loss_chunk: as for `make_train_step`; eval never uses context parallelism."""
+
   def eval_step(params, rest, batch):
     model = nnx.merge(graphdef, params, rest)
     model.eval()  # dropout off

@@ -80,11 +80,12 @@ def saved_config(workdir: str):
     return json.load(f)
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
+def flat(d: dict, prefix: str = "") -> dict:
+  """A nested config dict as {dotted key: value}."""
   out = {}
   for k, v in d.items():
     if isinstance(v, dict) and v:
-      out.update(_flat(v, f"{prefix}{k}."))
+      out.update(flat(v, f"{prefix}{k}."))
     else:
       out[f"{prefix}{k}"] = v
   return out
@@ -94,7 +95,7 @@ def differences(saved: dict, new: dict) -> dict:
   """{dotted key: (saved value, new value)} for every key that differs and is not RESUMABLE. A key that the
   saved config lacks counts as its default (a field added to the code since: the old run used its default
   behaviour); a key that the code no longer has is left out."""
-  a, b, default = _flat(saved), _flat(new), _flat(as_json(ExperimentConfig()))
+  a, b, default = flat(saved), flat(new), flat(as_json(ExperimentConfig()))
   old = lambda k: a.get(k, default.get(k))
   return {k: (old(k), b[k]) for k in sorted(b)
           if old(k) != b[k] and not any(k == r or k.startswith(r + ".") for r in RESUMABLE)}
@@ -130,6 +131,20 @@ def decide(workdir: str, new: dict, has_checkpoints: bool) -> str:
       f"the config differs from the one that wrote the checkpoints in {workdir} in {len(diff)} key(s): {shown}. "
       "Use the original config, another config.workdir, --config.train.resume=fresh (set the old run aside and "
       "start again) or --config.train.resume=params_only (start again from its parameters)")
+
+
+def has_checkpoints(directory: str) -> bool:
+  return os.path.isdir(directory) and any(d.isdigit() for d in os.listdir(directory))
+
+
+def finished(cfg) -> bool:
+  """Whether the run of `cfg` has ended: its summary.json is at train.last_step or says it stopped early."""
+  path = os.path.join(cfg.run_dir, "summary.json")
+  if not os.path.exists(path):
+    return False
+  with open(path) as f:
+    summary = json.load(f)
+  return summary.get("steps") == cfg.train.last_step or bool(summary.get("stopped_early"))
 
 
 def next_previous(workdir: str) -> str:
