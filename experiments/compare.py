@@ -4,7 +4,8 @@ Cells are models x settings x seeds x learning rates from the config's `sweep` s
 results/<config.name>/ (runs/, table.md, results.csv, best.csv, PNG plots). Finished cells are skipped and
 interrupted ones resume, so the command can simply be run again. `--shard i/n` runs every n-th (model, setting)
 group of cells from the i-th (one machine or process each; a group's seeds and learning rates share compiled
-programs, so they stay on one shard); `--report` only writes the report from the runs present.
+programs, so they stay on one shard); `--stack` trains each group's cells as one program (gdn/train/stacked.py;
+`--stack-size K`: at most K cells each); `--report` only writes the report from the runs present.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ def main(argv=None) -> int:
                         help="i/n: run every n-th (model, setting) group of cells, starting at the i-th")
     parser.add_argument("--report", action="store_true", help="only write the report from finished runs")
     parser.add_argument("--list", action="store_true", help="list the cells and exit")
+    parser.add_argument("--stack", action="store_true",
+                        help="train each (model, setting) group's seeds and learning rates as one program")
+    parser.add_argument("--stack-size", type=int, default=0,
+                        help="with --stack: at most this many cells per program (0: the whole group)")
     args = parser.parse_args(rest)
     if not spec:
       raise ConfigError("--config is required (e.g. --config configs/mqar.py:small)")
@@ -45,6 +50,8 @@ def main(argv=None) -> int:
     shard, num_shards = (int(x) for x in args.shard.split("/"))
     if not 0 <= shard < num_shards:
       raise ConfigError(f"--shard must be i/n with 0 <= i < n, got {args.shard}")
+    if args.stack_size < 0 or (args.stack_size and not args.stack):
+      raise ConfigError(f"--stack-size must be >= 0 and goes with --stack, got {args.stack_size}")
     cells = expand(config)
   except (ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
@@ -59,7 +66,7 @@ def main(argv=None) -> int:
     if cells:
       compile_cache.enable(cells[0].config.compilation_cache, cells[0].config.run_dir)
     try:
-      run_cells(cells, shard, num_shards)
+      run_cells(cells, shard, num_shards, stack=args.stack, stack_size=args.stack_size)
     except (ConfigError, ConfigMismatch, NoUsableCheckpoint, WorkdirLocked) as e:  # as gdn-train reports them
       print(f"error: {e}", file=sys.stderr)
       return 2

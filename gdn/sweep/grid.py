@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 
 import ml_collections
@@ -13,6 +12,8 @@ import ml_collections
 from gdn.train.config import ExperimentConfig, from_dict
 from gdn.train.config_file import apply_overrides
 from gdn.train.loop import NonFiniteLoss, train
+from gdn.train.stacked import train_stacked
+from gdn.train.workdir import finished
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,28 +56,36 @@ def expand(config: ml_collections.ConfigDict, results: str = "") -> list:
 
 
 def done(cell: Cell) -> bool:
-  path = os.path.join(cell.config.run_dir, "summary.json")
-  if not os.path.exists(path):
-    return False
-  with open(path) as f:
-    summary = json.load(f)
-  return summary.get("steps") == cell.config.train.last_step or bool(summary.get("stopped_early"))
+  return finished(cell.config)
 
 
 def shard_cells(cells, shard: int = 0, num_shards: int = 1) -> list:
   """This shard's cells. Cells that differ only in the seed or the learning rate compile to the same programs,
   so they stay together: the (model, setting) groups are dealt out in turn, and a shard runs its groups' cells
   one after another, every cell after a group's first finding its programs in the compilation cache."""
+  return [cell for group in _groups(cells)[shard::num_shards] for cell in group]
+
+
+def _groups(cells) -> list:
+  """The cells of each (model, setting) in turn, in the order they come."""
   groups = {}
   for cell in cells:
     groups.setdefault((cell.model, cell.setting), []).append(cell)
-  return [cell for group in list(groups.values())[shard::num_shards] for cell in group]
+  return list(groups.values())
 
 
-def run_cells(cells, shard: int = 0, num_shards: int = 1, log=print) -> None:
+def run_cells(cells, shard: int = 0, num_shards: int = 1, log=print, stack: bool = False,
+              stack_size: int = 0) -> None:
   """Trains this shard's cells (`shard_cells`), skipping finished ones; an interrupted cell resumes from its
-  checkpoint. A cell stopped by a non-finite step (train.skip_nonfinite) is logged and has no summary."""
+  checkpoint. A cell stopped by a non-finite step (train.skip_nonfinite) is logged and has no summary.
+
+  stack: train each (model, setting) group's cells as one program (gdn/train/stacked.py), at most `stack_size`
+  cells each (0: the whole group); a group whose cells have all finished is skipped.
+  """
   mine = shard_cells(cells, shard, num_shards)
+  if stack:
+    _run_stacked(mine, stack_size, log)
+    return
   for i, cell in enumerate(mine):
     if done(cell):
       log(f"[{i + 1}/{len(mine)}] {cell.id}: done already")
@@ -86,3 +95,22 @@ def run_cells(cells, shard: int = 0, num_shards: int = 1, log=print) -> None:
       train(cell.config, log=log)
     except NonFiniteLoss as e:  # a diverging cell (a learning rate too high) is a result, not the sweep's end
       log(f"[{i + 1}/{len(mine)}] {cell.id} stopped, left out of the report: {e}")
+
+
+def stacks(cells, stack_size: int = 0) -> list:
+  """The cells cut into the lists that `run_cells(stack=True)` trains as one program each: every (model, setting)
+  group in order, in pieces of at most `stack_size` cells (0: whole). The pieces depend on the sweep alone, not
+  on which cells have finished, so that a relaunch finds each piece's checkpoints again."""
+  size = lambda g: stack_size or len(g)
+  return [g[i:i + size(g)] for g in _groups(cells) for i in range(0, len(g), size(g))]
+
+
+def _run_stacked(cells, stack_size: int, log) -> None:
+  pieces = stacks(cells, stack_size)
+  for i, piece in enumerate(pieces):
+    names = ", ".join(c.id for c in piece)
+    if all(done(c) for c in piece):
+      log(f"[{i + 1}/{len(pieces)}] {names}: done already")
+      continue
+    log(f"[{i + 1}/{len(pieces)}] stacked: {names}")
+    train_stacked([c.config for c in piece], log=log)
