@@ -1,0 +1,210 @@
+"""Stacked training (gdn/train/stacked.py): cells that differ in seed and learning rate trained as one vmapped
+program log the losses that separate `train` runs log, write the same files, resume exactly after a crash, stop
+early one by one, refuse cells that differ in anything else, and run a sweep through `gdn-compare --stack`."""
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+
+from experiments import compare
+from gdn.sweep import grid
+from gdn.train import ConfigError, metrics, stacked, train
+from gdn.train.config_file import apply_overrides, load, resolve
+from gdn.train.metrics import read_jsonl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "quickstart.py")
+# Orbax's async checkpointer may leave its event loop to close after a test ends.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+TINY = [
+    "model.d_model=16", "model.num_layers=2", "model.pattern=RA", "model.vocab_size=64",
+    "model.recurrent.num_heads=2", "model.recurrent.head_dim=8", "model.attention.num_heads=2",
+    "model.attention.head_dim=8", "model.recurrent.method=recurrent", "data.batch_size=4",
+    "data.mqar.vocab_size=64", "data.mqar.train_settings=((16,2),)", "data.mqar.eval_settings=((16,2),)",
+    "data.mqar.eval_examples=8", "train.steps=100", "train.warmup_steps=2", "train.log_every=1",
+    "train.eval_every=4", "train.checkpoint_every=4", "train.progress_bar=false", "train.stop_step=16",
+    "compilation_cache=",
+]
+QUIET = lambda *a: None
+
+
+def _cfg(root, seed, lr, *overrides):
+  name = f"s{seed}_lr{lr:g}"
+  return resolve(CONFIG, [*TINY, f"seed={seed}", f"train.learning_rate={lr}", f"name={name}",
+                          f"workdir={os.path.join(str(root), 'runs', name)}", *overrides])
+
+
+def _records(cfg):
+  """{step: every metric logged at it} (train and eval metrics are separate lines)."""
+  out = {}
+  for r in read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl")):
+    out.setdefault(r["step"], {}).update(r)
+  return out
+
+
+def _summary(cfg):
+  with open(os.path.join(cfg.run_dir, "summary.json")) as f:
+    return json.load(f)
+
+
+def test_stacked_cells_log_what_separate_runs_log(tmp_path):
+  cells = [(0, 3e-3), (1, 1e-2), (2, 1e-3)]
+  stacked.train_stacked([_cfg(tmp_path / "stacked", s, lr) for s, lr in cells], log=QUIET)
+  for s, lr in cells:
+    alone, together = _cfg(tmp_path / "alone", s, lr), _cfg(tmp_path / "stacked", s, lr)
+    train(alone, log=QUIET)
+    a, b = _records(alone), _records(together)
+    assert sorted(a) == sorted(b) == list(range(1, 17))
+    assert all(a[k].keys() == b[k].keys() for k in a)  # train/tokens_per_s and the eval keys included
+    assert os.listdir(os.path.join(together.run_dir, "tb"))
+    # vmap batches the matmuls, which may sum in another order than the unbatched step: the same numbers up to
+    # float32 rounding (measured on XLA:CPU: at most 1.2e-7 relative in the loss and 6.3e-7 in the gradient norm
+    # over these 16 steps), hence rtol 1e-5 rather than equality.
+    for k in ("train/loss", "train/accuracy", "train/grad_norm", "train/lr"):
+      np.testing.assert_allclose([b[i][k] for i in sorted(a)], [a[i][k] for i in sorted(a)], rtol=1e-5, err_msg=k)
+    for i in (4, 8, 12, 16):
+      np.testing.assert_allclose(b[i]["eval/loss"], a[i]["eval/loss"], rtol=1e-5)
+      assert b[i]["eval/accuracy"] == a[i]["eval/accuracy"]
+    sa, sb = _summary(alone), _summary(together)
+    assert sa.keys() == sb.keys() and sb["steps"] == 16 and not sb["stopped_early"] and sb["params"] == sa["params"]
+    assert grid.done(grid.Cell("m", "s", s, lr, together))
+
+
+def test_an_interrupted_group_resumes_exactly_and_a_finished_one_trains_nothing(tmp_path, monkeypatch):
+  cells = [(0, 3e-3), (1, 1e-2)]
+  stacked.train_stacked([_cfg(tmp_path / "full", s, lr) for s, lr in cells], log=QUIET)
+  cfgs = [_cfg(tmp_path / "crashed", s, lr) for s, lr in cells]
+
+  write = metrics.MetricWriter.write
+
+  class Killed(Exception):
+    pass
+
+  def killed_at_step_10(self, step, prefix, values):
+    if step == 10:
+      raise Killed
+    write(self, step, prefix, values)
+
+  monkeypatch.setattr(metrics.MetricWriter, "write", killed_at_step_10)
+  with pytest.raises(Killed):
+    stacked.train_stacked(cfgs, log=QUIET)
+  monkeypatch.setattr(metrics.MetricWriter, "write", write)
+  assert not any(os.path.exists(os.path.join(c.run_dir, "summary.json")) for c in cfgs)
+  ckdir = os.path.join(stacked.group_dir(cfgs), "checkpoints")
+  assert sorted(int(d) for d in os.listdir(ckdir) if d.isdigit()) == [4, 8]
+
+  lines = []
+  stacked.train_stacked(cfgs, log=lines.append)
+  assert "resumed 2 stacked cells from step 8" in "\n".join(lines)
+  for s, lr in cells:
+    full, resumed = _records(_cfg(tmp_path / "full", s, lr)), _records(_cfg(tmp_path / "crashed", s, lr))
+    assert sorted(resumed) == sorted(full) == list(range(1, 17))
+    for i in full:  # the same program on the same data from the same state: exactly equal
+      assert resumed[i]["train/loss"] == full[i]["train/loss"], i
+      assert resumed[i].get("eval/loss") == full[i].get("eval/loss"), i
+
+  # Every cell has finished: a relaunch reads their summaries back and trains nothing.
+  before = [open(os.path.join(c.run_dir, "metrics.jsonl")).read() for c in cfgs]
+  lines = []
+  summaries = stacked.train_stacked(cfgs, log=lines.append)
+  assert [s["steps"] for s in summaries] == [16, 16] and summaries == [_summary(c) for c in cfgs]
+  assert before == [open(os.path.join(c.run_dir, "metrics.jsonl")).read() for c in cfgs] and not lines
+
+
+def test_a_cell_that_reaches_the_target_stops_while_the_others_go_on(tmp_path):
+  # At lr 1e-2 the tiny model gets 2 of the 16 eval tokens right by step 8 (measured); at 1e-4 it gets none in
+  # 16 steps. Only the first cell reaches an eval accuracy of 0.1.
+  fast, slow = (_cfg(tmp_path, s, lr, "train.early_stop=0.1") for s, lr in ((2, 1e-2), (0, 1e-4)))
+  summaries = stacked.train_stacked([fast, slow], log=QUIET)
+  stop = min(s for s, r in _records(fast).items() if r.get("eval/accuracy", 0.0) >= 0.1)
+  assert stop < 16
+  assert summaries[0]["stopped_early"] and summaries[0]["steps"] == stop == max(_records(fast))
+  assert summaries[0]["eval"]["accuracy"] == _records(fast)[stop]["eval/accuracy"]
+  assert not summaries[1]["stopped_early"] and summaries[1]["steps"] == 16 == max(_records(slow))
+  assert summaries == [_summary(fast), _summary(slow)]
+  assert all(grid.done(grid.Cell("m", "s", c.seed, c.train.learning_rate, c)) for c in (fast, slow))
+  # The slow cell trains as it would alone: its frozen neighbour does not disturb it.
+  alone = _cfg(tmp_path / "alone", 0, 1e-4, "train.early_stop=0.1")
+  train(alone, log=QUIET)
+  np.testing.assert_allclose([_records(slow)[i]["train/loss"] for i in range(1, 17)],
+                             [_records(alone)[i]["train/loss"] for i in range(1, 17)], rtol=1e-5)
+
+
+def test_a_cell_with_a_non_finite_step_stops_without_a_summary_and_stays_stopped(tmp_path, monkeypatch):
+  load_task = stacked.load_task
+
+  def poisoned(cfg, *args, **kwargs):  # the second cell's batches 2 and 4 (steps 3 and 5) get NaN weights
+    task = load_task(cfg, *args, **kwargs)
+    if cfg.seed != 1:
+      return task
+    nan = lambda i, batch: {**batch, "weights": batch["weights"] * np.nan} if i in (2, 4) else batch
+    return dataclasses.replace(task, train=task.train.map_with_index(nan))
+
+  monkeypatch.setattr(stacked, "load_task", poisoned)
+  cfgs = [_cfg(tmp_path, s, 3e-3, "train.skip_nonfinite=1") for s in (0, 1)]
+  lines = []
+  summaries = stacked.train_stacked(cfgs, log=lines.append)
+  text = "\n".join(lines)
+  assert "s1_lr0.003: step 3: loss nan, gradient norm nan: not finite, update skipped (1 of" in text
+  assert "s1_lr0.003: step 5: loss nan, gradient norm nan: not finite, stopped (1 such steps skipped" in text
+  assert summaries[0]["steps"] == 16 and summaries[1] is None
+  assert not os.path.exists(os.path.join(cfgs[1].run_dir, "summary.json"))
+  bad = _records(cfgs[1])
+  assert max(bad) == 5 and [s for s, r in sorted(bad.items()) if r.get("train/nonfinite")] == [3, 5]
+  # The stop is kept in the group's checkpoint: a relaunch does not train the cell again.
+  lines = []
+  assert stacked.train_stacked(cfgs, log=lines.append)[1] is None and max(_records(cfgs[1])) == 5
+
+
+def test_cells_that_differ_in_more_than_seed_and_rate_are_refused(tmp_path):
+  a = _cfg(tmp_path, 0, 1e-3)
+  b = _cfg(tmp_path, 1, 3e-3, "model.d_model=32", "data.batch_size=8")
+  with pytest.raises(ConfigError) as e:
+    stacked.train_stacked([a, b], log=QUIET)
+  # The keys named are those that may not differ; the seed, the rate, the name and the work directory may.
+  assert str(e.value).endswith("'s1_lr0.003' differs from 's0_lr0.001' in config.data.batch_size, "
+                               "config.model.d_model")
+  with pytest.raises(ConfigError, match="one work directory each"):
+    stacked.train_stacked([a, _cfg(tmp_path, 0, 1e-3, "name=other")], log=QUIET)
+  assert not os.path.exists(os.path.join(tmp_path, "runs"))  # refused before anything was written
+
+
+SWEEP = """
+import sys
+sys.path.insert(0, {root!r})
+from configs import quickstart
+
+def get_config():
+  c = quickstart.get_config()
+  c.name = "stacked_sweep"
+  c.sweep.models = {{"attention": ("model.pattern=A",), "gdn": ("model.pattern=R",)}}
+  c.sweep.learning_rates = (1e-3, 3e-3, 1e-2)
+  return c
+"""
+
+
+def test_compare_stack_trains_every_cell_and_writes_the_report(tmp_path, monkeypatch, capsys):
+  path = str(tmp_path / "sweep.py")
+  with open(path, "w") as f:
+    f.write(SWEEP.format(root=ROOT))
+  monkeypatch.chdir(tmp_path)
+  overrides = [o for o in TINY if not o.startswith(("model.pattern", "model.num_layers", "train.stop_step"))]
+  overrides += ["model.num_layers=1", "train.steps=8", "train.eval_every=0", "train.checkpoint_every=0"]
+  args = ["--config", path, *(f"--config.{o}" for o in overrides)]
+  assert compare.main([*args, "--stack", "--stack-size", "2"]) == 0
+  assert "] stacked: attention__base__seed0__lr0.001, attention__base__seed0__lr0.003" in capsys.readouterr().out
+  cells = grid.expand(apply_overrides(load(path), overrides))
+  assert len(cells) == 6 and all(grid.done(c) for c in cells)
+  # At most 2 cells a program, within each model: 2 + 1 for each of the two models.
+  assert [len(p) for p in grid.stacks(cells, 2)] == [2, 1, 2, 1]
+  assert len(os.listdir(os.path.join("results", "stacked_sweep", "runs", ".stacked"))) == 4
+  with open(os.path.join("results", "stacked_sweep", "table.md")) as f:
+    table = f.read()
+  assert "| attention | base |" in table and "| gdn | base |" in table
+
+  assert compare.main([*args, "--stack", "--stack-size", "2"]) == 0
+  assert capsys.readouterr().out.count("done already") == 4
+  assert compare.main([*args, "--stack-size", "2"]) == 2  # --stack-size without --stack is refused
