@@ -175,14 +175,13 @@ def _train(cfg: ExperimentConfig, log) -> dict:
         flush(pending)
       pending = (s, m)
       bar.update(1)
-      evals = (tc.eval_every and s % tc.eval_every == 0) or s == last
-      saves = (tc.checkpoint_every and s % tc.checkpoint_every == 0) or s == last
+      evals, saves = due(tc, s, last)
       if evals or saves:  # both wait for the step anyway: read its metrics first, to stop before a bad save
         flush(pending)
         pending = None
       if evals:
         final_eval = run_eval(s)
-        log(f"step {s}: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(final_eval.items()) if "/" not in k))
+        log(f"step {s}: {eval_line(final_eval)}")
         stopped = tc.early_stop > 0 and final_eval[tc.early_stop_metric] >= tc.early_stop
       if saves or stopped:
         ckpts.save(s, state, data.get_state())
@@ -200,6 +199,17 @@ def _train(cfg: ExperimentConfig, log) -> dict:
     writer.close()
 
   return summarize(cfg, last, stopped, n_params, time.perf_counter() - t0, final_eval, write=primary)
+
+
+def due(tc, s: int, last: int) -> tuple:
+  """(evaluate, checkpoint) after step s: every train.eval_every / checkpoint_every steps, and at the last."""
+  return (bool(tc.eval_every and s % tc.eval_every == 0) or s == last,
+          bool(tc.checkpoint_every and s % tc.checkpoint_every == 0) or s == last)
+
+
+def eval_line(result: dict) -> str:
+  """The eval metrics averaged over splits, for the log."""
+  return ", ".join(f"{k} {v:.4f}" for k, v in sorted(result.items()) if "/" not in k)
 
 
 def nonfinite_stop(what: str, skipped: int, allowed: int) -> str:

@@ -32,7 +32,7 @@ import tqdm
 from gdn.data import iterator
 from gdn.train import checkpoint, evaluate, metrics, optimizer, step, workdir as workdirs
 from gdn.train.config import ConfigError, ExperimentConfig
-from gdn.train.loop import load_task, nonfinite_stop, summarize
+from gdn.train.loop import due, eval_line, load_task, nonfinite_stop, summarize
 
 # The config keys in which the cells of one group may differ.
 PER_CELL = ("name", "workdir", "seed", "train.learning_rate")
@@ -250,16 +250,14 @@ def _train_stacked(cfgs: list, gdir: str, log) -> list:
         flush(pending)
       pending = (s, m, on)
       bar.update(1)
-      evals = (tc.eval_every and s % tc.eval_every == 0) or s == last
-      saves = (tc.checkpoint_every and s % tc.checkpoint_every == 0) or s == last
+      evals, saves = due(tc, s, last)
       if evals or saves:  # both wait for the step anyway: read its metrics first, to stop before a bad save
         flush(pending)
         pending = None
       stopped = False
       if evals:
         for i, result in run_eval(s).items():
-          log(f"{cfgs[i].name}: step {s}: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(result.items())
-                                                       if "/" not in k))
+          log(f"{cfgs[i].name}: step {s}: {eval_line(result)}")
           reached = tc.early_stop > 0 and result[tc.early_stop_metric] >= tc.early_stop
           if reached:
             log(f"{cfgs[i].name}: step {s}: eval {tc.early_stop_metric} reached {tc.early_stop}; stopping early")
