@@ -50,27 +50,42 @@ def _summary(cfg):
     return json.load(f)
 
 
-def test_stacked_cells_log_what_separate_runs_log(tmp_path):
-  cells = [(0, 3e-3), (1, 1e-2), (2, 1e-3)]
-  stacked.train_stacked([_cfg(tmp_path / "stacked", s, lr) for s, lr in cells], log=QUIET)
+def _same_as_alone(tmp_path, cells, *overrides, steps=16, evals=(4, 8, 12, 16)):
+  """Trains `cells` (seed, rate) stacked, then each alone, and compares what they logged and summarised."""
+  stacked.train_stacked([_cfg(tmp_path / "stacked", s, lr, *overrides) for s, lr in cells], log=QUIET)
   for s, lr in cells:
-    alone, together = _cfg(tmp_path / "alone", s, lr), _cfg(tmp_path / "stacked", s, lr)
+    alone, together = _cfg(tmp_path / "alone", s, lr, *overrides), _cfg(tmp_path / "stacked", s, lr, *overrides)
     train(alone, log=QUIET)
     a, b = _records(alone), _records(together)
-    assert sorted(a) == sorted(b) == list(range(1, 17))
+    assert sorted(a) == sorted(b) == list(range(1, steps + 1))
     assert all(a[k].keys() == b[k].keys() for k in a)  # train/tokens_per_s and the eval keys included
     assert os.listdir(os.path.join(together.run_dir, "tb"))
     # vmap batches the matmuls, which may sum in another order than the unbatched step: the same numbers up to
     # float32 rounding (measured on XLA:CPU: at most 1.2e-7 relative in the loss and 6.3e-7 in the gradient norm
-    # over these 16 steps), hence rtol 1e-5 rather than equality.
+    # over 16 steps of 3 cells), hence rtol 1e-5 rather than equality.
     for k in ("train/loss", "train/accuracy", "train/grad_norm", "train/lr"):
       np.testing.assert_allclose([b[i][k] for i in sorted(a)], [a[i][k] for i in sorted(a)], rtol=1e-5, err_msg=k)
-    for i in (4, 8, 12, 16):
+    for i in evals:
       np.testing.assert_allclose(b[i]["eval/loss"], a[i]["eval/loss"], rtol=1e-5)
       assert b[i]["eval/accuracy"] == a[i]["eval/accuracy"]
     sa, sb = _summary(alone), _summary(together)
-    assert sa.keys() == sb.keys() and sb["steps"] == 16 and not sb["stopped_early"] and sb["params"] == sa["params"]
+    assert sa.keys() == sb.keys() and sb["steps"] == steps and not sb["stopped_early"]
+    assert sb["params"] == sa["params"]
     assert grid.done(grid.Cell("m", "s", s, lr, together))
+
+
+def test_stacked_cells_log_what_separate_runs_log(tmp_path):
+  _same_as_alone(tmp_path, [(0, 3e-3), (1, 1e-2), (2, 1e-3)])
+
+
+def test_batches_of_different_lengths_are_padded_without_changing_the_losses(tmp_path):
+  mixture = ("data.mqar.train_settings=((8,1),(16,2))", "train.stop_step=6", "train.eval_every=0")
+  cells = [(0, 3e-3), (1, 1e-2)]
+  # The two cells draw batches of different lengths at some step, so the stacked batch pads one of them.
+  lengths = [[b["inputs"].shape[1] for b in stacked.load_task(_cfg(tmp_path, s, lr, *mixture)).train]
+             for s, lr in cells]
+  assert lengths[0] != lengths[1], lengths
+  _same_as_alone(tmp_path, cells, *mixture, steps=6, evals=(6,))
 
 
 def test_an_interrupted_group_resumes_exactly_and_a_finished_one_trains_nothing(tmp_path, monkeypatch):
