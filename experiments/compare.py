@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     print("\n" + f.read())
   print(f"results   {out_dir}/  (table.md, results.csv, best.csv)")
   print("plots     " + ", ".join(p for k, p in paths.items() if k.endswith(".png")))
-  print(f"runs      {out_dir}/runs/<cell>/  (config.json, metrics.jsonl, tb/, checkpoints/)")
+  print(f"runs      {out_dir}/runs/<cell>/  (config.json, metrics.jsonl, tb/, checkpoints/"
+        + (f"; with --stack the checkpoints are each group's, in {out_dir}/runs/.stacked/)" if args.stack else ")"))
   return 0
 
 

@@ -1,6 +1,8 @@
-"""Training: optimizer, train step, checkpoints, evaluation, metrics and the loop."""
+"""Training: optimizer, train step, checkpoints, evaluation, metrics, the loop, and stacked cells."""
 
 from gdn.train.config import ConfigError, ExperimentConfig, SweepConfig, TrainConfig, from_dict
 from gdn.train.loop import NonFiniteLoss, train
+from gdn.train.stacked import train_stacked
 
-__all__ = ["ConfigError", "ExperimentConfig", "NonFiniteLoss", "SweepConfig", "TrainConfig", "from_dict", "train"]
+__all__ = ["ConfigError", "ExperimentConfig", "NonFiniteLoss", "SweepConfig", "TrainConfig", "from_dict", "train",
+           "train_stacked"]

@@ -15,6 +15,7 @@ Each cell keeps its run directory with the files `train` writes there (config.js
 summary.json), so sweeps and their reports read stacked cells as they read the others. The checkpoints are the
 group's, in `<the runs' directory>/.stacked/<hash of the cell names>/checkpoints`: the stacked state, every
 cell's data position, and which cells non-finite steps stopped (they stay stopped when the group resumes).
+One process, on its default device: a mesh of several devices is refused.
 """
 
 from __future__ import annotations
