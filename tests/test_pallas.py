@@ -113,18 +113,21 @@ def test_fused_output_bfloat16_against_oracle(monkeypatch, g_kind, beta_kind):
   _assert_fused_close(x_bf, oracle(x_ref), 2e-2, f"bf16 fused output g={g_kind} beta={beta_kind}")
 
 
-def _pallas_calls(jaxpr):
-  """The pallas_call equations of a closed jaxpr, nested jaxprs included."""
+def equations(jaxpr, primitive="pallas_call"):
+  """The equations of `primitive` in a closed jaxpr, nested jaxprs included but not the kernels of pallas_calls
+  (whose loops are scans)."""
   found = []
   for eqn in jaxpr.jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
+    if eqn.primitive.name == primitive:
       found.append(eqn)
+    if eqn.primitive.name == "pallas_call":
+      continue
     for p in eqn.params.values():
       for sub in (p if isinstance(p, (tuple, list)) else [p]):
         if isinstance(sub, ClosedJaxpr):
-          found += _pallas_calls(sub)
+          found += equations(sub, primitive)
         elif isinstance(sub, Jaxpr):
-          found += _pallas_calls(ClosedJaxpr(sub, ()))
+          found += equations(ClosedJaxpr(sub, ()), primitive)
   return found
 
 
@@ -139,7 +142,7 @@ def test_fused_output_writes_no_states(monkeypatch):
     monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", flag)
     args = [jnp.asarray(x_bf[n]) for n in ("q", "k", "v", "g", "beta")]
     jaxpr = jax.make_jaxpr(lambda *a: ops.gated_delta_rule(*a, method="pallas", chunk_size=16))(*args)
-    (call,) = _pallas_calls(jaxpr)
+    (call,) = equations(jaxpr)
     shapes = [(tuple(v.aval.shape), v.aval.dtype) for v in call.outvars]
     if want:
       assert shapes == [((2, 3, 16, 16), jnp.bfloat16), ((2, 16, 16), jnp.float32)], shapes
@@ -162,12 +165,6 @@ def test_operand_dtype_follows_the_callers_precision(monkeypatch):
     monkeypatch.setattr(pallas_chunk, "BF16_OPERANDS", flag)
     S_T, S_in, U = pallas_chunk.state_pass(loc, S0, prec)
     assert (S_in.dtype, U.dtype, S_T.dtype) == (want, want, jnp.float32), (flag, prec)
-
-
-def test_per_value_channel_beta_is_declined():
-  x = make_inputs(24, 1, 8, 1, 1, 4, 4, "head", "channel")
-  with pytest.raises(ValueError, match="pallas.*per-value-channel beta"):
-    ops.gated_delta_rule(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")), method="pallas")
 
 
 def test_kernels_lower_to_triton():
