@@ -178,13 +178,14 @@ def test_kernels_lower_to_triton():
   assert hlo.count("__gpu$xla.gpu.triton") == 2
 
 
-def test_fused_output_kernel_lowers_to_triton(monkeypatch):
+@pytest.mark.parametrize("beta_kind", ["head", "channel"])
+def test_fused_output_kernel_lowers_to_triton(monkeypatch, beta_kind):
   """With FUSED_OUTPUT the forward-only call lowers to the fused kernel for CUDA (bfloat16, C = 64, K = V = 128,
-  two value blocks); the differentiated call to the unfused forward and the backward kernel. (FUSED_LOCAL off:
-  compiled, the chunk-local kernel would be a fourth.)"""
+  two value blocks; per-value-channel beta: its solve over four blocks of rows); the differentiated call to the
+  unfused forward and the backward kernel. (FUSED_LOCAL off: compiled, the chunk-local kernel would be a fourth.)"""
   monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", True)
   monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", False)
-  x, _ = bfloat16_inputs(make_inputs(30, 1, 128, 1, 2, 128, 128, "head", "head"))
+  x, _ = bfloat16_inputs(make_inputs(30, 1, 128, 1, 2, 128, 128, "head", beta_kind))
   diff = {n: jnp.asarray(x[n]) for n in DIFF_ARGS}
   co = (jnp.ones((1, 128, 2, 128), jnp.bfloat16), jnp.ones((1, 2, 128, 128)))
   hlo = cuda_hlo(_fwd_bwd(tuple(sorted(diff)), 64, None, False, True), diff, None, co)
@@ -218,8 +219,9 @@ def test_fused_output_compiled_on_gpu(monkeypatch, dtype, g_kind, beta_kind, tol
                       interpret=False)
 
 
-# (g, beta): the state pass with and without W, so both operand lists of the kernel ops are partitioned.
-SHARDED_CASES = [("head", "head"), ("channel", "none")]
+# (g, beta): the state pass with W, without it and with the per-value-channel solve, so every operand list of the
+# kernel ops is partitioned.
+SHARDED_CASES = [("head", "head"), ("channel", "none"), ("head", "channel")]
 
 
 def _sharded_child():

@@ -11,13 +11,14 @@ blocks' matmuls are checked too. The `gpu` test runs the compiled Triton kernels
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from gdn import ops
 from gdn.ops import pallas_chunk
 from lowering import cuda_hlo
 from test_ops import DIFF_ARGS, assert_close, bfloat16_inputs, make_inputs, oracle
-from test_pallas import _assert_fused_close, _fwd_bwd, equations, run_pallas
+from test_pallas import _assert_fused_close, _fwd_bwd, _gpu_inputs, equations, run_pallas
 
 # (g, C, block_v, T): block_v 16 with V = 19 splits the value channels over two programs, so the per-program
 # partial sums of the K- and C-side cotangents are checked too; None goes through the public method="pallas".
@@ -39,6 +40,20 @@ def test_float32_against_oracle(g_kind, C, block_v, T):
 def test_without_segments_or_initial_state():
   x = make_inputs(42, 2, 37, 1, 2, 16, 16, "head", "channel", init=False)
   assert_close(run_pallas(x, chunk_size=16), oracle(x), 1e-5, "pallas channel beta, plain")
+
+
+@pytest.mark.parametrize("case", ["total_forgetting", "beta_0_or_2", "identical_keys"])
+def test_torture(case):
+  """`test_ops.test_torture`'s hard inputs with per-value-channel beta, C = 32 (two blocks of rows)."""
+  x = make_inputs(49, 1, 70, 1, 2, 8, 8, "head", "channel")
+  if case == "total_forgetting":
+    x["g"] = np.full_like(x["g"], -1e4)
+  elif case == "beta_0_or_2":  # each channel's transition a projection, a reflection or the identity
+    x["beta"] = 2.0 * (x["beta"] > 1.0).astype(np.float32)
+  elif case == "identical_keys":
+    x["k"] = np.broadcast_to(x["k"][:, :1], x["k"].shape).copy()
+    x["g"] = np.zeros_like(x["g"])
+  assert_close(run_pallas(x, chunk_size=32), oracle(x), 1e-5, f"pallas channel beta {case}")
 
 
 @pytest.mark.parametrize("g_kind", ["head", "channel"])
@@ -70,14 +85,17 @@ def test_forward_runs_the_kernel(monkeypatch, fused_output):
   assert not equations(jaxpr, "scan"), "the forward ran XLA's chunk scan"
 
 
-def test_kernels_lower_to_triton():
-  """The compiled path lowers for CUDA: the forward state-pass kernel becomes a Triton call (the backward is
-  XLA's)."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernels_lower_to_triton(dtype):
+  """The compiled path lowers for CUDA: the forward and backward state-pass kernels become Triton calls (float32
+  callers: 3xTF32 dots; bfloat16 ones: bfloat16 operands). Catches what the interpreter accepts and Triton does
+  not (shapes, dot layouts, ref slices) without a GPU."""
   x = make_inputs(46, 1, 64, 1, 2, 5, 19, "channel", "channel", segments=True)
+  x = bfloat16_inputs(x)[0] if dtype == "bfloat16" else x
   diff = {n: jnp.asarray(x[n]) for n in DIFF_ARGS}
   co = (jnp.ones((1, 64, 2, 19)), jnp.ones((1, 2, 5, 19)))
   hlo = cuda_hlo(_fwd_bwd(tuple(sorted(diff)), 32, 16, False), diff, jnp.asarray(x["segment_ids"]), co)
-  assert hlo.count("__gpu$xla.gpu.triton") == 1
+  assert hlo.count("__gpu$xla.gpu.triton") == 2
 
 
 @pytest.mark.gpu
@@ -85,7 +103,6 @@ def test_kernels_lower_to_triton():
                                                 ("float32", "channel", 1e-4)])
 def test_compiled_on_gpu(dtype, g_kind, tol):
   """The compiled Triton kernels at a realistic shape: B = 2, T = 1024, H = 4, K = V = 128, segments, C = 64."""
-  x = make_inputs(47, 2, 1024, 4, 4, 128, 128, g_kind, "channel", segments=True)
-  x, x_ref = bfloat16_inputs(x) if dtype == "bfloat16" else (x, x)
+  x, x_ref = _gpu_inputs(47, dtype, g_kind, "channel")
   assert_close(run_pallas(x, chunk_size=64, interpret=False), oracle(x_ref), tol,
                f"gpu pallas channel beta {dtype} g={g_kind}")

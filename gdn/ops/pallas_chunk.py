@@ -13,6 +13,13 @@ loops over the chunks in order (value channels never mix in the recurrence, so V
 programs). The backward kernel runs the chunks in reverse with the cotangent dS held the same way. Both sit
 behind `jax.custom_vjp` on the state pass alone, so JAX differentiates the XLA parts around it as usual.
 
+Per-value-channel beta has no W: each value channel j has its own system, whose right-hand side needs S, so the
+kernels solve it per chunk (`_channel_solve`, forward substitution over the chunk's rows, vectorised over the
+program's value channels; its VJP `_channel_backward`, backward substitution), reading v as U0, k_dec in W's
+place, and A [Cp, Cp] and beta [Cp, BV] (float32):
+
+    U[n][:, j] = (I + Diag(beta[n][:, j]) A[n])^{-1} Diag(beta[n][:, j]) (v[n][:, j] - k_dec[n] S[:, j])
+
 With `FUSED_OUTPUT` (by default where the kernels compile) the output moves into the forward kernel
 (`output_pass`): it also reads each chunk's q_dec [Cp, Kp] and P [Cp, Cp] and writes the output block
 
@@ -52,7 +59,7 @@ from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gdn.ops import checks, intra_chunk, pallas_local
-from gdn.ops.chunk import chunk_outputs, finish, initial, isolate_segments, prepare, scan_chunks, unchunk
+from gdn.ops.chunk import chunk_outputs, finish, initial, isolate_segments, prepare, unchunk
 from gdn.ops.pallas_common import default_interpret, kernel_precision
 from gdn.ops.pallas_common import pow2 as _pow2
 
@@ -167,13 +174,57 @@ def _forward_kernel(*refs, cfg: Config, N: int):
   s_t_ref[...] = S.astype(s_t_ref.dtype)
 
 
+def _channel_backward(n, S_op, dS_op, refs, prec):
+  """The VJP of `_channel_solve` and of k_end^T U for chunk n, from dU = dU_ext + k_end dS (dS leaving the chunk).
+  With X = v - k_dec S, y = X - A U (so U = beta * y) and Z = beta * dR, dR solving (I + A^T Diag(beta_j)) dR_j = dU_j
+  (backward substitution, in blocks of SUB rows in reverse, as `_channel_solve` goes forward):
+    dv = Z;  dbeta = dR * y;  dk_dec = -Z S^T;  dA = -strictly-lower(Z U^T);  dS gets -k_dec^T Z (the caller's).
+  Writes dv, dbeta, dk_dec and dA (this program's value channels' share); returns [(rows, Z [SUB, BV] float32)]."""
+  kdec_ref, kend_ref, u0_ref, u_ref, a_ref, beta_ref, du_ref, du0_ref, dbeta_ref, dw_ref, da_ref = refs
+  f32 = jnp.float32
+  iota = lambda shape, axis: jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+  col, strict, row_v = iota((SUB, SUB), 1), iota((SUB, SUB), 0) > iota((SUB, SUB), 1), iota((SUB, du_ref.shape[-1]), 0)
+  spans = [pl.ds(b * SUB, SUB) for b in range(a_ref.shape[-1] // SUB)]
+  U = [u_ref[n, rows, :].astype(f32) for rows in spans]
+  Z = {}
+  for b in reversed(range(len(spans))):
+    rows = spans[b]
+    dR = du_ref[n, rows, :].astype(f32) + _dot(kend_ref[n, rows, :], dS_op, False, False, prec)  # dU
+    for m in range(b + 1, len(spans)):
+      dR = dR - _dot(a_ref[n, spans[m], rows], Z[m], True, False, prec)  # A_mb^T Z_m
+    A_bb = a_ref[n, rows, rows].astype(f32)
+    beta = beta_ref[n, rows, :].astype(f32)
+
+    def step(i, dR, A_bb=A_bb, beta=beta):  # rows after r hold dR, rows up to r what is left of dU
+      r = SUB - 1 - i
+      a = jnp.sum(jnp.where(col == r, A_bb, 0.0), axis=1)[:, None]  # [SUB, 1]: A_tr, zero up to t = r
+      return jnp.where(row_v == r, dR - jnp.sum(a * beta * dR, axis=0, keepdims=True), dR)
+
+    dR = jax.lax.fori_loop(0, SUB, step, dR)
+    Z[b] = beta * dR
+    y = u0_ref[n, rows, :].astype(f32) - _dot(kdec_ref[n, rows, :], S_op, False, False, prec)
+    for m in range(b + 1):
+      y = y - _dot(a_ref[n, rows, spans[m]], U[m], False, False, prec)
+    du0_ref[n, rows, :] = Z[b].astype(du0_ref.dtype)
+    dbeta_ref[n, rows, :] = (dR * y).astype(dbeta_ref.dtype)
+    dw_ref[n, rows, :] = (-_dot(Z[b].astype(S_op.dtype), S_op, False, True, prec)).astype(dw_ref.dtype)
+    for m, cols in enumerate(spans):
+      dA = -_dot(Z[b], U[m], False, True, prec) if m <= b else jnp.zeros((SUB, SUB), f32)
+      da_ref[n, rows, cols] = (jnp.where(strict, dA, 0.0) if m == b else dA).astype(da_ref.dtype)
+  return [(rows, Z[b]) for b, rows in enumerate(spans)]
+
+
 def _backward_kernel(*refs, cfg: Config, N: int):
-  if cfg.delta:
-    (w_ref, kend_ref, decay_ref, s_in_ref, u_ref, ds_in_ref, du_ref, ds_t_ref,
-     du0_ref, dw_ref, dkend_ref, ddecay_ref, ds0_ref) = refs
-  else:
-    (kend_ref, decay_ref, s_in_ref, u_ref, ds_in_ref, du_ref, ds_t_ref,
-     du0_ref, dkend_ref, ddecay_ref, ds0_ref) = refs
+  """The chunks in reverse. Refs: W (delta rule only; k_dec with cfg.channel), k_end, decay, S_in, U, dS_in, dU,
+  dS_T, then v, A, beta (cfg.channel only); results dU0 (dv with cfg.channel), dbeta (cfg.channel), dW, dk_end,
+  ddecay, dA (cfg.channel; the K- and C-side ones this program's part), dS0."""
+  refs = list(refs)
+  take = lambda present=True: refs.pop(0) if present else None
+  w_ref, kend_ref, decay_ref, s_in_ref, u_ref = take(cfg.delta), take(), take(), take(), take()
+  ds_in_ref, du_ref, ds_t_ref = take(), take(), take()
+  u0_ref, a_ref, beta_ref = take(cfg.channel), take(cfg.channel), take(cfg.channel)
+  du0_ref, dbeta_ref, dw_ref, dkend_ref, ddecay_ref = take(), take(cfg.channel), take(cfg.delta), take(), take()
+  da_ref, ds0_ref = take(cfg.channel), take()
 
   odt = jnp.dtype(cfg.operands)
 
@@ -181,11 +232,16 @@ def _backward_kernel(*refs, cfg: Config, N: int):
     n = N - 1 - i
     S = s_in_ref[n]
     dS_op = dS.astype(odt)  # the matmul operand; dS itself stays float32
-    dU = du_ref[n].astype(jnp.float32) + _dot(kend_ref[n], dS_op, False, False, cfg.prec)  # [Cp, BV]
-    du0_ref[n] = dU.astype(du0_ref.dtype)
     dkend_ref[n] = _dot(u_ref[n], dS_op, False, True, cfg.prec).astype(dkend_ref.dtype)  # U dS^T: [Cp, Kp]
     ddecay_ref[n] = jnp.sum(S.astype(jnp.float32) * dS, axis=1).astype(ddecay_ref.dtype)
     dS_prev = decay_ref[n].astype(jnp.float32)[:, None] * dS + ds_in_ref[n].astype(jnp.float32)
+    if cfg.channel:
+      refs = (w_ref, kend_ref, u0_ref, u_ref, a_ref, beta_ref, du_ref, du0_ref, dbeta_ref, dw_ref, da_ref)
+      for rows, Z in _channel_backward(n, S, dS_op, refs, cfg.prec):
+        dS_prev = dS_prev - _dot(w_ref[n, rows, :], Z.astype(odt), True, False, cfg.prec)  # k_dec^T Z
+      return dS_prev
+    dU = du_ref[n].astype(jnp.float32) + _dot(kend_ref[n], dS_op, False, False, cfg.prec)  # [Cp, BV]
+    du0_ref[n] = dU.astype(du0_ref.dtype)
     if cfg.delta:
       dU_op = dU.astype(odt)
       dw_ref[n] = (-_dot(dU_op, S, False, True, cfg.prec)).astype(dw_ref.dtype)  # -dU S^T: [Cp, Kp]
@@ -251,29 +307,39 @@ def _forward_call(cfg: Config, U0, W, k_end, decay, S0, q_dec=None, P=None, A=No
   return tuple(_unrows(r, B) for r in res)
 
 
-def _backward_call(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T):
+def _backward_call(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0=None, A=None, beta=None):
   """The backward kernel on operands [B, HV, ...]: (dU0, dW, dk_end, ddecay, dS0) [B, HV, ...], without dW
-  when there is no W."""
+  when there is no W; with cfg.channel (which reads U0, A and beta too) (dU0, dW, dk_end, ddecay, dA, dS0,
+  dbeta)."""
   B, HV, N, Cp, Vp = U.shape
   L, Kp, BV = B * HV, k_end.shape[-1], cfg.block_v
   NV = Vp // BV
   per_v, per_k, dec, state, part_k, part_decay = _specs(L, N, Cp, Kp, BV)
+  per_c = pl.BlockSpec((None, N, Cp, Cp), lambda i, j: (i, 0, 0, 0))
+  part_c = pl.BlockSpec((None, None, N, Cp, Cp), lambda i, j: (i, j, 0, 0, 0))
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-  ins = ([W] if cfg.delta else []) + [k_end, decay, S_in, U, dS_in, dU, dS_T]
-  in_specs = ([per_k] if cfg.delta else []) + [per_k, dec, per_v(Kp), per_v(Cp), per_v(Kp), per_v(Cp), state]
-  outs = ([f32(L, N, Cp, Vp)] + ([f32(L, NV, N, Cp, Kp)] if cfg.delta else [])
-          + [f32(L, NV, N, Cp, Kp), f32(L, NV, N, Kp), f32(L, Kp, Vp)])
-  out_specs = [per_v(Cp)] + ([part_k] if cfg.delta else []) + [part_k, part_decay, state]
+  ins = ([W] if cfg.delta else []) + [k_end, decay, S_in, U, dS_in, dU, dS_T] + ([U0, A, beta] if cfg.channel else [])
+  in_specs = (([per_k] if cfg.delta else []) + [per_k, dec, per_v(Kp), per_v(Cp), per_v(Kp), per_v(Cp), state]
+              + ([per_v(Cp), per_c, per_v(Cp)] if cfg.channel else []))
+  outs = ([f32(L, N, Cp, Vp)] * (1 + cfg.channel) + ([f32(L, NV, N, Cp, Kp)] if cfg.delta else [])
+          + [f32(L, NV, N, Cp, Kp), f32(L, NV, N, Kp)] + ([f32(L, NV, N, Cp, Cp)] if cfg.channel else [])
+          + [f32(L, Kp, Vp)])
+  out_specs = ([per_v(Cp)] * (1 + cfg.channel) + ([part_k] if cfg.delta else []) + [part_k, part_decay]
+               + ([part_c] if cfg.channel else []) + [state])
   # On float32 operands one stage: two would take about 256 KB of shared memory at K = 128, C = BV = 64, over
   # the H200's 227 KB; bfloat16 operands halve that. Eight warps: the state and its cotangent both live in
-  # registers; at four the compiled kernel spilled.
+  # registers; at four the compiled kernel spilled. Per-value-channel beta: one stage (it reads A, v and beta
+  # too; not yet compiled on a card).
   small = Cp * Kp <= 64 * 128 and BV <= 64
-  stages = BWD_STAGES_BF16 if cfg.operands == "bfloat16" and small else 1
+  stages = BWD_STAGES_BF16 if cfg.operands == "bfloat16" and small and not cfg.channel else 1
   res = _call(functools.partial(_backward_kernel, cfg=cfg, N=N), cfg, (L, NV), [_rows(x) for x in ins],
               in_specs, outs, out_specs, "gdn_chunk_states_bwd", 8, stages)
-  # The K-side cotangents come per value block; their sum stays inside, so it runs on each device's rows too.
-  dU0, *parts, dS0 = res
-  return tuple(_unrows(r, B) for r in [dU0] + [p.sum(1) for p in parts] + [dS0])
+  # The K- and C-side cotangents come per value block; their sum stays inside, so it runs on each device's rows
+  # too.
+  dU0, *res = res
+  dbeta = [res.pop(0)] if cfg.channel else []
+  *parts, dS0 = res
+  return tuple(_unrows(r, B) for r in [dU0] + [p.sum(1) for p in parts] + [dS0] + dbeta)
 
 
 def _rows(x):
@@ -340,9 +406,11 @@ def _forward_rule(delta: bool, output: bool, channel: bool) -> str:
 _FORWARD = {(delta, output, channel): _per_rows(_forward_call, _forward_rule(delta, output, channel))
             for delta in (True, False) for output in (True, False) for channel in (delta, False)}
 _BACKWARD = {
-    True: _per_rows(_backward_call, _rule("n c k,n c k,n k,n k v,n c v,n k v,n c v,k v",
-                                          "n c v,n c k,n c k,n k,k v")),
-    False: _per_rows(_backward_call, _rule("n c k,n k,n k v,n c v,n k v,n c v,k v", "n c v,n c k,n k,k v")),
+    (True, False): _per_rows(_backward_call, _rule("n c k,n c k,n k,n k v,n c v,n k v,n c v,k v",
+                                                   "n c v,n c k,n c k,n k,k v")),
+    (False, False): _per_rows(_backward_call, _rule("n c k,n k,n k v,n c v,n k v,n c v,k v", "n c v,n c k,n k,k v")),
+    (True, True): _per_rows(_backward_call, _rule("n c k,n c k,n k,n k v,n c v,n k v,n c v,k v,n c v,n c i,n c v",
+                                                  "n c v,n c k,n c k,n k,n c i,k v,n c v")),
 }
 
 
@@ -355,12 +423,17 @@ def _forward(cfg: Config, U0, W, k_end, decay, S0, q_dec=None, P=None, A=None, b
   return S_in, U0, S_T
 
 
-def _backward(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T):
-  res = _BACKWARD[cfg.delta](cfg, W, k_end, decay, S_in, U, dS_in, dU, dS_T)
-  if cfg.delta:
-    return res
-  dU0, dk_end, ddecay, dS0 = res
-  return dU0, None, dk_end, ddecay, dS0
+def _backward(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0=None, A=None, beta=None):
+  """(dU0, dW, dk_end, ddecay, dS0, dA, dbeta): dW None without the delta rule, dA and dbeta None but for
+  per-value-channel beta."""
+  res = _BACKWARD[cfg.delta, cfg.channel](cfg, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0, A, beta)
+  if cfg.channel:
+    dU0, dW, dk_end, ddecay, dA, dS0, dbeta = res
+    return dU0, dW, dk_end, ddecay, dS0, dA, dbeta
+  if not cfg.delta:
+    dU0, dk_end, ddecay, dS0 = res
+    res = dU0, None, dk_end, ddecay, dS0
+  return res + (None, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -373,28 +446,15 @@ def _state_pass(cfg: Config, U0, W, k_end, decay, S0, A=None, beta=None):
 
 def _state_pass_fwd(cfg, U0, W, k_end, decay, S0, A=None, beta=None):
   S_in, U, S_T = _forward(cfg, U0, W, k_end, decay, S0, A=A, beta=beta)
-  if cfg.channel:
-    return (S_in, U, S_T), (U0, W, k_end, decay, S0, A, beta)
-  return (S_in, U, S_T), (W, k_end, decay, S_in, U)
+  return (S_in, U, S_T), (W, k_end, decay, S_in, U) + ((U0, A, beta) if cfg.channel else ())
 
 
 def _state_pass_bwd(cfg, res, cts):
-  if cfg.channel:
-    return jax.vjp(functools.partial(_channel_reference, cfg), *res)[1](cts)
-  W, k_end, decay, S_in, U = res
   dS_in, dU, dS_T = cts
-  return _backward(cfg, W, k_end, decay, S_in, U, dS_in, dU, dS_T) + (None, None)
+  return _backward(cfg, *res[:5], dS_in, dU, dS_T, *res[5:])
 
 
 _state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
-
-
-def _channel_reference(cfg: Config, U0, k_dec, k_end, decay, S0, A, beta):
-  """`_state_pass` with per-value-channel beta in XLA (`chunk.scan_chunks`), in the kernel's result dtypes: the
-  backward differentiates this recomputation."""
-  loc = intra_chunk.Local(q_dec=None, k_dec=k_dec, k_end=k_end, decay=decay, P=None, A=A, W=None, U=U0)
-  S_T, S_in, U = scan_chunks(loc, beta, S0, cfg.xla_prec)
-  return S_in.astype(cfg.operands), U.astype(cfg.operands), S_T
 
 
 def _output(cfg: Config, q_dec, P, S_in, U):
