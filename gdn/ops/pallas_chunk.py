@@ -91,9 +91,7 @@ class Config:
   operands: str = "float32"  # dtype of U0, W, k_end, S_in and U (and q_dec, P, O) in memory; the state is float32
   output: bool = False  # the forward kernel reads q_dec and P and writes O instead of S_in and U (FUSED_OUTPUT)
   out_dtype: str = "float32"  # O's dtype in memory
-  # The caller's precision: that of the XLA work inside the custom VJPs (the output of a differentiated call, the
-  # per-value-channel backward).
-  xla_prec: Optional[jax.lax.Precision] = None
+  out_prec: Optional[jax.lax.Precision] = None  # the caller's precision: the XLA output's in a differentiated call
   channel: bool = False  # per-value-channel beta: the W slot holds k_dec, and A and beta come too (`_channel_solve`)
 
 
@@ -106,7 +104,8 @@ def _dot(a, b, ta: bool, tb: bool, prec):
 def _channel_solve(n, S_op, u0_ref, kdec_ref, a_ref, beta_ref, prec):
   """Per-value-channel beta: chunk n's write vectors for the program's value channels j,
 
-      u_j = (I + Diag(beta_j) A)^{-1} Diag(beta_j) (v_j - k_dec S_j),   i.e.   u_t = beta_t (v_t - k_dec_t S - sum_{i<t} A_ti u_i),
+      u_j = (I + Diag(beta_j) A)^{-1} Diag(beta_j) (v_j - k_dec S_j),
+      i.e. row by row   u_t = beta_t (v_t - k_dec_t S - sum_{i<t} A_ti u_i),
 
   as `chunk._solve_channel_beta` solves them, by forward substitution vectorised over the channels. Rows go in
   blocks of SUB: the earlier blocks enter a block by matmuls, its own rows one at a time in a `fori_loop` (a row
@@ -176,14 +175,16 @@ def _forward_kernel(*refs, cfg: Config, N: int):
 
 def _channel_backward(n, S_op, dS_op, refs, prec):
   """The VJP of `_channel_solve` and of k_end^T U for chunk n, from dU = dU_ext + k_end dS (dS leaving the chunk).
-  With X = v - k_dec S, y = X - A U (so U = beta * y) and Z = beta * dR, dR solving (I + A^T Diag(beta_j)) dR_j = dU_j
-  (backward substitution, in blocks of SUB rows in reverse, as `_channel_solve` goes forward):
+  With X = v - k_dec S, y = X - A U (so U = beta * y) and Z = beta * dR, dR solving
+  (I + A^T Diag(beta_j)) dR_j = dU_j (backward substitution, in blocks of SUB rows in reverse, as `_channel_solve`
+  goes forward):
     dv = Z;  dbeta = dR * y;  dk_dec = -Z S^T;  dA = -strictly-lower(Z U^T);  dS gets -k_dec^T Z (the caller's).
   Writes dv, dbeta, dk_dec and dA (this program's value channels' share); returns [(rows, Z [SUB, BV] float32)]."""
   kdec_ref, kend_ref, u0_ref, u_ref, a_ref, beta_ref, du_ref, du0_ref, dbeta_ref, dw_ref, da_ref = refs
   f32 = jnp.float32
   iota = lambda shape, axis: jax.lax.broadcasted_iota(jnp.int32, shape, axis)
-  col, strict, row_v = iota((SUB, SUB), 1), iota((SUB, SUB), 0) > iota((SUB, SUB), 1), iota((SUB, du_ref.shape[-1]), 0)
+  col, strict = iota((SUB, SUB), 1), iota((SUB, SUB), 0) > iota((SUB, SUB), 1)
+  row_v = iota((SUB, du_ref.shape[-1]), 0)
   spans = [pl.ds(b * SUB, SUB) for b in range(a_ref.shape[-1] // SUB)]
   U = [u_ref[n, rows, :].astype(f32) for rows in spans]
   Z = {}
@@ -236,8 +237,8 @@ def _backward_kernel(*refs, cfg: Config, N: int):
     ddecay_ref[n] = jnp.sum(S.astype(jnp.float32) * dS, axis=1).astype(ddecay_ref.dtype)
     dS_prev = decay_ref[n].astype(jnp.float32)[:, None] * dS + ds_in_ref[n].astype(jnp.float32)
     if cfg.channel:
-      refs = (w_ref, kend_ref, u0_ref, u_ref, a_ref, beta_ref, du_ref, du0_ref, dbeta_ref, dw_ref, da_ref)
-      for rows, Z in _channel_backward(n, S, dS_op, refs, cfg.prec):
+      solve_refs = (w_ref, kend_ref, u0_ref, u_ref, a_ref, beta_ref, du_ref, du0_ref, dbeta_ref, dw_ref, da_ref)
+      for rows, Z in _channel_backward(n, S, dS_op, solve_refs, cfg.prec):
         dS_prev = dS_prev - _dot(w_ref[n, rows, :], Z.astype(odt), True, False, cfg.prec)  # k_dec^T Z
       return dS_prev
     dU = du_ref[n].astype(jnp.float32) + _dot(kend_ref[n], dS_op, False, False, cfg.prec)  # [Cp, BV]
@@ -296,7 +297,8 @@ def _forward_call(cfg: Config, U0, W, k_end, decay, S0, q_dec=None, P=None, A=No
   # (float32 there), which bfloat16 operands meet at the same sizes and float32 ones do not. Per-value-channel
   # beta adds A and beta (float32) and is held to the same 80 KiB (not yet compiled on a card).
   if cfg.output or cfg.channel:
-    stage_bytes = (jnp.dtype(cfg.operands).itemsize * (Cp * BV + (1 + cfg.delta + cfg.output) * Cp * Kp + cfg.output * Cp * Cp)
+    per_k_blocks = 1 + cfg.delta + cfg.output  # k_end, W or k_dec, q_dec
+    stage_bytes = (jnp.dtype(cfg.operands).itemsize * (Cp * BV + per_k_blocks * Cp * Kp + cfg.output * Cp * Cp)
                    + 4 * cfg.channel * (Cp * Cp + Cp * BV))
     stages = 2 if stage_bytes <= 80 * 1024 else 1
   else:
@@ -459,7 +461,7 @@ _state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
 
 def _output(cfg: Config, q_dec, P, S_in, U):
   """O = q_dec S_in + P U per chunk in XLA, at the caller's precision, in O's dtype."""
-  return chunk_outputs(q_dec, P, S_in, U, cfg.xla_prec).astype(cfg.out_dtype)
+  return chunk_outputs(q_dec, P, S_in, U, cfg.out_prec).astype(cfg.out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -519,7 +521,7 @@ def _operands(loc: intra_chunk.Local, S0, prec, block_v: int, interpret: Optiona
   interpret = default_interpret() if interpret is None else interpret
   cfg = Config(prec=kernel_precision(prec, interpret), block_v=BV, interpret=interpret, delta=delta,
                operands=operands, output=output is not None, out_dtype=jnp.dtype(output or jnp.float32).name,
-               xla_prec=prec, channel=channel)
+               out_prec=prec if output is not None else None, channel=channel)
   args = (op(loc.U, Cp, Vp), op(loc.k_dec if channel else loc.W, Cp, Kp) if delta else None, op(loc.k_end, Cp, Kp),
           f32(decay, Kp), f32(S0, Kp, Vp))
   if output is not None:
