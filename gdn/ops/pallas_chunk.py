@@ -157,7 +157,7 @@ def _forward_kernel(*refs, cfg: Config, N: int):
         U = U - _dot(w_ref[n], S_op, False, False, cfg.prec)  # [Cp, BV]
       blocks = [(pl.ds(0, Cp), U)]
     blocks = [(rows, U, U.astype(odt)) for rows, U in blocks]
-    kS = 0.0
+    kS = None
     for b, (rows, U, U_op) in enumerate(blocks):
       if u_ref is not None:
         u_ref[n, rows, :] = U.astype(u_ref.dtype)
@@ -166,7 +166,8 @@ def _forward_kernel(*refs, cfg: Config, N: int):
         for cols, _, U_m in blocks[:b + 1]:  # P is lower triangular
           O = O + _dot(p_ref[n, rows, cols], U_m, False, False, cfg.prec)
         o_ref[n, rows, :] = O.astype(o_ref.dtype)  # [rows, BV]
-      kS = kS + _dot(kend_ref[n, rows, :], U_op, True, False, cfg.prec)  # k_end^T U: [Kp, BV]
+      kS_b = _dot(kend_ref[n, rows, :], U_op, True, False, cfg.prec)  # k_end^T U: [Kp, BV]
+      kS = kS_b if kS is None else kS + kS_b
     return decay_ref[n].astype(jnp.float32)[:, None] * S + kS
 
   S = jax.lax.fori_loop(0, N, body, s0_ref[...].astype(jnp.float32))
