@@ -74,8 +74,10 @@ def test_fused_output_against_oracle(monkeypatch, dtype, tol):
 @pytest.mark.parametrize("fused_output", [False, True])
 def test_forward_runs_the_kernel(monkeypatch, fused_output):
   """The forward is the Pallas state pass with the solve inside (A and beta among its operands), not XLA's chunk
-  scan: its jaxpr has one pallas_call and no scan over the chunks."""
+  scan: its jaxpr has one pallas_call and no scan over the chunks. FUSED_LOCAL on, as on a GPU: the chunk-local
+  work of this variant stays XLA's (`pallas_local` takes per-head beta only)."""
   monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", fused_output)
+  monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", True)
   x = make_inputs(45, 1, 40, 1, 2, 16, 16, "head", "channel")
   args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")]
   jaxpr = jax.make_jaxpr(lambda *a: ops.gated_delta_rule(*a, method="pallas", chunk_size=16))(*args)
