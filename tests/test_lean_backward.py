@@ -59,7 +59,7 @@ def test_associative_float32():
   _check("associative", x, [(3, False)], 1e-5)
 
 
-@pytest.mark.parametrize("g_kind, beta_kind", [("head", "head"), ("channel", "head")])
+@pytest.mark.parametrize("g_kind, beta_kind", [("head", "head"), ("channel", "head"), ("head", "channel")])
 def test_pallas_float32(g_kind, beta_kind):
   """The Pallas state pass (interpreted on CPU) with the chunk-local backward in 3 groups."""
   x = make_inputs(32, 2, 35, 2, 4, 5, 19, g_kind, beta_kind, segments=True)

@@ -113,18 +113,21 @@ def test_fused_output_bfloat16_against_oracle(monkeypatch, g_kind, beta_kind):
   _assert_fused_close(x_bf, oracle(x_ref), 2e-2, f"bf16 fused output g={g_kind} beta={beta_kind}")
 
 
-def _pallas_calls(jaxpr):
-  """The pallas_call equations of a closed jaxpr, nested jaxprs included."""
+def equations(jaxpr, primitive="pallas_call"):
+  """The equations of `primitive` in a closed jaxpr, nested jaxprs included but not the kernels of pallas_calls
+  (whose loops are scans)."""
   found = []
   for eqn in jaxpr.jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
+    if eqn.primitive.name == primitive:
       found.append(eqn)
+    if eqn.primitive.name == "pallas_call":
+      continue
     for p in eqn.params.values():
       for sub in (p if isinstance(p, (tuple, list)) else [p]):
         if isinstance(sub, ClosedJaxpr):
-          found += _pallas_calls(sub)
+          found += equations(sub, primitive)
         elif isinstance(sub, Jaxpr):
-          found += _pallas_calls(ClosedJaxpr(sub, ()))
+          found += equations(ClosedJaxpr(sub, ()), primitive)
   return found
 
 
@@ -139,7 +142,7 @@ def test_fused_output_writes_no_states(monkeypatch):
     monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", flag)
     args = [jnp.asarray(x_bf[n]) for n in ("q", "k", "v", "g", "beta")]
     jaxpr = jax.make_jaxpr(lambda *a: ops.gated_delta_rule(*a, method="pallas", chunk_size=16))(*args)
-    (call,) = _pallas_calls(jaxpr)
+    (call,) = equations(jaxpr)
     shapes = [(tuple(v.aval.shape), v.aval.dtype) for v in call.outvars]
     if want:
       assert shapes == [((2, 3, 16, 16), jnp.bfloat16), ((2, 16, 16), jnp.float32)], shapes
@@ -164,12 +167,6 @@ def test_operand_dtype_follows_the_callers_precision(monkeypatch):
     assert (S_in.dtype, U.dtype, S_T.dtype) == (want, want, jnp.float32), (flag, prec)
 
 
-def test_per_value_channel_beta_is_declined():
-  x = make_inputs(24, 1, 8, 1, 1, 4, 4, "head", "channel")
-  with pytest.raises(ValueError, match="pallas.*per-value-channel beta"):
-    ops.gated_delta_rule(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")), method="pallas")
-
-
 def test_kernels_lower_to_triton():
   """The compiled path (not the interpreter) lowers for CUDA: both kernels become Triton calls. Catches
   what the interpreter accepts and Triton does not (shapes, dot layouts) without a GPU."""
@@ -181,13 +178,14 @@ def test_kernels_lower_to_triton():
   assert hlo.count("__gpu$xla.gpu.triton") == 2
 
 
-def test_fused_output_kernel_lowers_to_triton(monkeypatch):
+@pytest.mark.parametrize("beta_kind", ["head", "channel"])
+def test_fused_output_kernel_lowers_to_triton(monkeypatch, beta_kind):
   """With FUSED_OUTPUT the forward-only call lowers to the fused kernel for CUDA (bfloat16, C = 64, K = V = 128,
-  two value blocks); the differentiated call to the unfused forward and the backward kernel. (FUSED_LOCAL off:
-  compiled, the chunk-local kernel would be a fourth.)"""
+  two value blocks; per-value-channel beta: its solve over four blocks of rows); the differentiated call to the
+  unfused forward and the backward kernel. (FUSED_LOCAL off: compiled, the chunk-local kernel would be a fourth.)"""
   monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", True)
   monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", False)
-  x, _ = bfloat16_inputs(make_inputs(30, 1, 128, 1, 2, 128, 128, "head", "head"))
+  x, _ = bfloat16_inputs(make_inputs(30, 1, 128, 1, 2, 128, 128, "head", beta_kind))
   diff = {n: jnp.asarray(x[n]) for n in DIFF_ARGS}
   co = (jnp.ones((1, 128, 2, 128), jnp.bfloat16), jnp.ones((1, 2, 128, 128)))
   hlo = cuda_hlo(_fwd_bwd(tuple(sorted(diff)), 64, None, False, True), diff, None, co)
@@ -221,8 +219,9 @@ def test_fused_output_compiled_on_gpu(monkeypatch, dtype, g_kind, beta_kind, tol
                       interpret=False)
 
 
-# (g, beta): the state pass with and without W, so both operand lists of the kernel ops are partitioned.
-SHARDED_CASES = [("head", "head"), ("channel", "none")]
+# (g, beta): the state pass with W, without it and with the per-value-channel solve, so every operand list of the
+# kernel ops is partitioned.
+SHARDED_CASES = [("head", "head"), ("channel", "none"), ("head", "channel")]
 
 
 def _sharded_child():

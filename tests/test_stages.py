@@ -48,6 +48,16 @@ def test_gradients_flow_through_the_stages():
     assert rel(np.asarray(got[n]), np.asarray(want[n])) < 1e-4, n
 
 
+def test_channel_beta_state_passes():
+  """Per-value-channel beta: the Pallas state pass (its kernel's own solve) equals the scan's."""
+  x = make_inputs(6, B=1, T=37, H=1, HV=2, K=8, V=6, g_kind="head", beta_kind="channel", segments=True)
+  p = stages.prepare(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")),
+                     segment_ids=jnp.asarray(x["segment_ids"]), chunk_size=16)
+  S0 = jnp.asarray(x["initial_state"])
+  for got, want in zip(stages.state_pass(p, S0, method="pallas"), stages.state_pass(p, S0, method="scan")):
+    assert rel(np.asarray(got), np.asarray(want)) < 1e-5
+
+
 def test_bad_state_pass_is_named():
   x = make_inputs(5, B=1, T=8, H=1, HV=1, K=4, V=4, g_kind="head", beta_kind="channel", init=False)
   p = stages.prepare(*(jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")), chunk_size=4)

@@ -20,9 +20,9 @@ def pick_method(dims: checks.Dims, chunk_size: int) -> str:
   """`method="auto"`: the token scan for a handful of tokens (decode). On a GPU, for sequences: the
   associative scan when the Pallas state pass would run fewer than 32 programs (B HV ceil(V / 64): most of the
   GPU's multiprocessors idle while each program walks all N chunks), else `pallas`; `chunk` for
-  per-value-channel beta, which neither supports. On TPU the associative scan for small states
-  (B HV K V <= 2^19), else `chunk`; on CPU `chunk`. docs/benchmarks.md has the H200 measurements behind both
-  thresholds."""
+  per-value-channel beta (`associative` declines it; `pallas` takes it but has not been timed on a GPU). On TPU
+  the associative scan for small states (B HV K V <= 2^19), else `chunk`; on CPU `chunk`. docs/benchmarks.md has
+  the H200 measurements behind both thresholds."""
   if dims.T <= 8:
     return "recurrent"
   backend = jax.default_backend()
@@ -48,8 +48,8 @@ def gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None, initial_state=No
     beta: None (plain additive write), [B, T, HV] or [B, T, HV, V]; values in [0, 2] are legal.
     initial_state: None or [B, HV, K, V]. segment_ids: None or [B, T] integers; the state restarts
       from zero wherever the id differs from the previous position's.
-    method: "auto", "recurrent", "chunk", "associative" or "pallas" (the chunk form with its sequential
-      part as a Pallas kernel; per-head or no beta only). chunk_size: tokens per chunk.
+    method: "auto", "recurrent", "chunk", "associative" (not per-value-channel beta) or "pallas" (the chunk
+      form with its sequential part as Pallas kernels, every variant). chunk_size: tokens per chunk.
     local_groups: the chunked methods run the backward of their chunk-local work over this many groups of
       chunks in turn, recomputing each group's forward, so that its float32 intermediates exist for one group
       at a time (less memory, the same values to float32 rounding); 1 = all chunks at once (XLA's autodiff);

@@ -13,6 +13,13 @@ loops over the chunks in order (value channels never mix in the recurrence, so V
 programs). The backward kernel runs the chunks in reverse with the cotangent dS held the same way. Both sit
 behind `jax.custom_vjp` on the state pass alone, so JAX differentiates the XLA parts around it as usual.
 
+Per-value-channel beta has no W: each value channel j has its own system, whose right-hand side needs S, so the
+kernels solve it per chunk (`_channel_solve`, forward substitution over the chunk's rows, vectorised over the
+program's value channels; its VJP `_channel_backward`, backward substitution), reading v as U0, k_dec in W's
+place, and A [Cp, Cp] and beta [Cp, BV] (float32):
+
+    U[n][:, j] = (I + Diag(beta[n][:, j]) A[n])^{-1} Diag(beta[n][:, j]) (v[n][:, j] - k_dec[n] S[:, j])
+
 With `FUSED_OUTPUT` (by default where the kernels compile) the output moves into the forward kernel
 (`output_pass`): it also reads each chunk's q_dec [Cp, Kp] and P [Cp, Cp] and writes the output block
 
@@ -71,6 +78,7 @@ FUSED_LOCAL: Optional[bool] = None
 # True, False, or None = where the Pallas kernels compile, as FUSED_LOCAL. On the H200 it took the op's bfloat16
 # forward from 0.84 to 0.63 ms at (4, 2048, 16, 128) and from 3.91 to 3.44 at (4, 4096, 64, 128) (docs/benchmarks.md).
 FUSED_OUTPUT: Optional[bool] = None
+SUB = 16  # rows of a block of the per-value-channel solve (`_channel_solve`): Triton's smallest dot dimension
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +92,7 @@ class Config:
   output: bool = False  # the forward kernel reads q_dec and P and writes O instead of S_in and U (FUSED_OUTPUT)
   out_dtype: str = "float32"  # O's dtype in memory
   out_prec: Optional[jax.lax.Precision] = None  # the caller's precision: the XLA output's in a differentiated call
+  channel: bool = False  # per-value-channel beta: the W slot holds k_dec, and A and beta come too (`_channel_solve`)
 
 
 def _dot(a, b, ta: bool, tb: bool, prec):
@@ -92,45 +101,132 @@ def _dot(a, b, ta: bool, tb: bool, prec):
   return jax.lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
 
 
+def _channel_solve(n, S_op, u0_ref, kdec_ref, a_ref, beta_ref, prec):
+  """Per-value-channel beta: chunk n's write vectors for the program's value channels j,
+
+      u_j = (I + Diag(beta_j) A)^{-1} Diag(beta_j) (v_j - k_dec S_j),
+      i.e. row by row   u_t = beta_t (v_t - k_dec_t S - sum_{i<t} A_ti u_i),
+
+  as `chunk._solve_channel_beta` solves them, by forward substitution vectorised over the channels. Rows go in
+  blocks of SUB: the earlier blocks enter a block by matmuls, its own rows one at a time in a `fori_loop` (a row
+  of a value is picked by an iota mask: Triton cannot index a value). Returns [(rows, U_b [SUB, BV] float32)]."""
+  f32 = jnp.float32
+  row = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+  row_v = jax.lax.broadcasted_iota(jnp.int32, (SUB, u0_ref.shape[-1]), 0)
+  blocks = []
+  for b in range(a_ref.shape[-1] // SUB):
+    rows = pl.ds(b * SUB, SUB)
+    X = u0_ref[n, rows, :].astype(f32) - _dot(kdec_ref[n, rows, :], S_op, False, False, prec)  # [SUB, BV]
+    for cols, U_m in blocks:
+      X = X - _dot(a_ref[n, rows, cols], U_m, False, False, prec)
+    A_bb = a_ref[n, rows, rows].astype(f32)
+    beta = beta_ref[n, rows, :].astype(f32)
+
+    def step(r, X, A_bb=A_bb, beta=beta):  # rows before r hold u, rows from r on what is left of v - k_dec S
+      a = jnp.sum(jnp.where(row == r, A_bb, 0.0), axis=0)[:, None]  # [SUB, 1]: A_ri, zero from i = r on
+      return jnp.where(row_v == r, beta * (X - jnp.sum(a * X, axis=0, keepdims=True)), X)
+
+    blocks.append((rows, jax.lax.fori_loop(0, SUB, step, X)))
+  return blocks
+
+
 def _forward_kernel(*refs, cfg: Config, N: int):
-  """One program's chunks in order. Refs: U0, W (delta rule only), k_end, decay, S0, then q_dec, P (cfg.output
-  only); results S_in and U (U with the delta rule only), or with cfg.output the output O; last S_T."""
+  """One program's chunks in order. Refs: U0, W (delta rule only; k_dec with cfg.channel), k_end, decay, S0, then
+  q_dec, P (cfg.output only), A, beta (cfg.channel only); results S_in and U (U with the delta rule only), or with
+  cfg.output the output O; last S_T."""
   refs = list(refs)
   take = lambda present=True: refs.pop(0) if present else None
   u0_ref, w_ref, kend_ref, decay_ref, s0_ref = take(), take(cfg.delta), take(), take(), take()
   qdec_ref, p_ref = take(cfg.output), take(cfg.output)
+  a_ref, beta_ref = take(cfg.channel), take(cfg.channel)
   s_in_ref, u_ref, o_ref = take(not cfg.output), take(cfg.delta and not cfg.output), take(cfg.output)
   s_t_ref = take()
 
   odt = jnp.dtype(cfg.operands)
+  Cp = u0_ref.shape[-2]
 
   def body(n, S):
     S_op = S.astype(odt)  # the matmul operand (and S_in as written); S itself stays float32
     if s_in_ref is not None:
       s_in_ref[n] = S_op
-    U = u0_ref[n].astype(jnp.float32)
-    if cfg.delta:
-      U = U - _dot(w_ref[n], S_op, False, False, cfg.prec)  # [Cp, BV]
+    if cfg.channel:
+      blocks = _channel_solve(n, S_op, u0_ref, w_ref, a_ref, beta_ref, cfg.prec)
+    else:  # one block of all Cp rows
+      U = u0_ref[n].astype(jnp.float32)
+      if cfg.delta:
+        U = U - _dot(w_ref[n], S_op, False, False, cfg.prec)  # [Cp, BV]
+      blocks = [(pl.ds(0, Cp), U)]
+    blocks = [(rows, U, U.astype(odt)) for rows, U in blocks]
+    kS = None
+    for b, (rows, U, U_op) in enumerate(blocks):
       if u_ref is not None:
-        u_ref[n] = U.astype(u_ref.dtype)
-    U_op = U.astype(odt)
-    if o_ref is not None:  # chunk n's output: q_dec S_in + P U, what `chunk.finish` computes from S_in and U
-      O = _dot(qdec_ref[n], S_op, False, False, cfg.prec) + _dot(p_ref[n], U_op, False, False, cfg.prec)
-      o_ref[n] = O.astype(o_ref.dtype)  # [Cp, BV]
-    kS = _dot(kend_ref[n], U_op, True, False, cfg.prec)  # k_end^T U: [Kp, BV]
+        u_ref[n, rows, :] = U.astype(u_ref.dtype)
+      if o_ref is not None:  # chunk n's output: q_dec S_in + P U, what `chunk.finish` computes from S_in and U
+        O = _dot(qdec_ref[n, rows, :], S_op, False, False, cfg.prec)
+        for cols, _, U_m in blocks[:b + 1]:  # P is lower triangular
+          O = O + _dot(p_ref[n, rows, cols], U_m, False, False, cfg.prec)
+        o_ref[n, rows, :] = O.astype(o_ref.dtype)  # [rows, BV]
+      kS_b = _dot(kend_ref[n, rows, :], U_op, True, False, cfg.prec)  # k_end^T U: [Kp, BV]
+      kS = kS_b if kS is None else kS + kS_b
     return decay_ref[n].astype(jnp.float32)[:, None] * S + kS
 
   S = jax.lax.fori_loop(0, N, body, s0_ref[...].astype(jnp.float32))
   s_t_ref[...] = S.astype(s_t_ref.dtype)
 
 
+def _channel_backward(n, S_op, dS_op, refs, prec):
+  """The VJP of `_channel_solve` and of k_end^T U for chunk n, from dU = dU_ext + k_end dS (dS leaving the chunk).
+  With X = v - k_dec S, y = X - A U (so U = beta * y) and Z = beta * dR, dR solving
+  (I + A^T Diag(beta_j)) dR_j = dU_j (backward substitution, in blocks of SUB rows in reverse, as `_channel_solve`
+  goes forward):
+    dv = Z;  dbeta = dR * y;  dk_dec = -Z S^T;  dA = -strictly-lower(Z U^T);  dS gets -k_dec^T Z (the caller's).
+  Writes dv, dbeta, dk_dec and dA (this program's value channels' share); returns [(rows, Z [SUB, BV] float32)]."""
+  kdec_ref, kend_ref, u0_ref, u_ref, a_ref, beta_ref, du_ref, du0_ref, dbeta_ref, dw_ref, da_ref = refs
+  f32 = jnp.float32
+  iota = lambda shape, axis: jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+  col, strict = iota((SUB, SUB), 1), iota((SUB, SUB), 0) > iota((SUB, SUB), 1)
+  row_v = iota((SUB, du_ref.shape[-1]), 0)
+  spans = [pl.ds(b * SUB, SUB) for b in range(a_ref.shape[-1] // SUB)]
+  U = [u_ref[n, rows, :].astype(f32) for rows in spans]
+  Z = {}
+  for b in reversed(range(len(spans))):
+    rows = spans[b]
+    dR = du_ref[n, rows, :].astype(f32) + _dot(kend_ref[n, rows, :], dS_op, False, False, prec)  # dU
+    for m in range(b + 1, len(spans)):
+      dR = dR - _dot(a_ref[n, spans[m], rows], Z[m], True, False, prec)  # A_mb^T Z_m
+    A_bb = a_ref[n, rows, rows].astype(f32)
+    beta = beta_ref[n, rows, :].astype(f32)
+
+    def step(i, dR, A_bb=A_bb, beta=beta):  # rows after r hold dR, rows up to r what is left of dU
+      r = SUB - 1 - i
+      a = jnp.sum(jnp.where(col == r, A_bb, 0.0), axis=1)[:, None]  # [SUB, 1]: A_tr, zero up to t = r
+      return jnp.where(row_v == r, dR - jnp.sum(a * beta * dR, axis=0, keepdims=True), dR)
+
+    dR = jax.lax.fori_loop(0, SUB, step, dR)
+    Z[b] = beta * dR
+    y = u0_ref[n, rows, :].astype(f32) - _dot(kdec_ref[n, rows, :], S_op, False, False, prec)
+    for m in range(b + 1):
+      y = y - _dot(a_ref[n, rows, spans[m]], U[m], False, False, prec)
+    du0_ref[n, rows, :] = Z[b].astype(du0_ref.dtype)
+    dbeta_ref[n, rows, :] = (dR * y).astype(dbeta_ref.dtype)
+    dw_ref[n, rows, :] = (-_dot(Z[b].astype(S_op.dtype), S_op, False, True, prec)).astype(dw_ref.dtype)
+    for m, cols in enumerate(spans):
+      dA = -_dot(Z[b], U[m], False, True, prec) if m <= b else jnp.zeros((SUB, SUB), f32)
+      da_ref[n, rows, cols] = (jnp.where(strict, dA, 0.0) if m == b else dA).astype(da_ref.dtype)
+  return [(rows, Z[b]) for b, rows in enumerate(spans)]
+
+
 def _backward_kernel(*refs, cfg: Config, N: int):
-  if cfg.delta:
-    (w_ref, kend_ref, decay_ref, s_in_ref, u_ref, ds_in_ref, du_ref, ds_t_ref,
-     du0_ref, dw_ref, dkend_ref, ddecay_ref, ds0_ref) = refs
-  else:
-    (kend_ref, decay_ref, s_in_ref, u_ref, ds_in_ref, du_ref, ds_t_ref,
-     du0_ref, dkend_ref, ddecay_ref, ds0_ref) = refs
+  """The chunks in reverse. Refs: W (delta rule only; k_dec with cfg.channel), k_end, decay, S_in, U, dS_in, dU,
+  dS_T, then v, A, beta (cfg.channel only); results dU0 (dv with cfg.channel), dbeta (cfg.channel), dW, dk_end,
+  ddecay, dA (cfg.channel; the K- and C-side ones this program's part), dS0."""
+  refs = list(refs)
+  take = lambda present=True: refs.pop(0) if present else None
+  w_ref, kend_ref, decay_ref, s_in_ref, u_ref = take(cfg.delta), take(), take(), take(), take()
+  ds_in_ref, du_ref, ds_t_ref = take(), take(), take()
+  u0_ref, a_ref, beta_ref = take(cfg.channel), take(cfg.channel), take(cfg.channel)
+  du0_ref, dbeta_ref, dw_ref, dkend_ref, ddecay_ref = take(), take(cfg.channel), take(cfg.delta), take(), take()
+  da_ref, ds0_ref = take(cfg.channel), take()
 
   odt = jnp.dtype(cfg.operands)
 
@@ -138,11 +234,16 @@ def _backward_kernel(*refs, cfg: Config, N: int):
     n = N - 1 - i
     S = s_in_ref[n]
     dS_op = dS.astype(odt)  # the matmul operand; dS itself stays float32
-    dU = du_ref[n].astype(jnp.float32) + _dot(kend_ref[n], dS_op, False, False, cfg.prec)  # [Cp, BV]
-    du0_ref[n] = dU.astype(du0_ref.dtype)
     dkend_ref[n] = _dot(u_ref[n], dS_op, False, True, cfg.prec).astype(dkend_ref.dtype)  # U dS^T: [Cp, Kp]
     ddecay_ref[n] = jnp.sum(S.astype(jnp.float32) * dS, axis=1).astype(ddecay_ref.dtype)
     dS_prev = decay_ref[n].astype(jnp.float32)[:, None] * dS + ds_in_ref[n].astype(jnp.float32)
+    if cfg.channel:
+      solve_refs = (w_ref, kend_ref, u0_ref, u_ref, a_ref, beta_ref, du_ref, du0_ref, dbeta_ref, dw_ref, da_ref)
+      for rows, Z in _channel_backward(n, S, dS_op, solve_refs, cfg.prec):
+        dS_prev = dS_prev - _dot(w_ref[n, rows, :], Z.astype(odt), True, False, cfg.prec)  # k_dec^T Z
+      return dS_prev
+    dU = du_ref[n].astype(jnp.float32) + _dot(kend_ref[n], dS_op, False, False, cfg.prec)  # [Cp, BV]
+    du0_ref[n] = dU.astype(du0_ref.dtype)
     if cfg.delta:
       dU_op = dU.astype(odt)
       dw_ref[n] = (-_dot(dU_op, S, False, True, cfg.prec)).astype(dw_ref.dtype)  # -dU S^T: [Cp, Kp]
@@ -172,18 +273,19 @@ def _specs(L, N, Cp, Kp, BV):
   return per_v, per_k, decay, state, part_k, part_decay
 
 
-def _forward_call(cfg: Config, U0, W, k_end, decay, S0, q_dec=None, P=None):
+def _forward_call(cfg: Config, U0, W, k_end, decay, S0, q_dec=None, P=None, A=None, beta=None):
   """The forward kernel on operands [B, HV, ...]: (S_in, U, S_T) [B, HV, ...], or (S_in, S_T) without W; with
-  cfg.output, which reads q_dec and P, (O, S_T)."""
+  cfg.output, which reads q_dec and P, (O, S_T). With cfg.channel W is k_dec, and A and beta are read too."""
   B, HV, N, Cp, Vp = U0.shape
   L, Kp, BV = B * HV, k_end.shape[-1], cfg.block_v
   per_v, per_k, dec, state, _, _ = _specs(L, N, Cp, Kp, BV)
-  per_c = pl.BlockSpec((None, N, Cp, Cp), lambda i, j: (i, 0, 0, 0))  # P, shared by the value blocks
+  per_c = pl.BlockSpec((None, N, Cp, Cp), lambda i, j: (i, 0, 0, 0))  # P and A, shared by the value blocks
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
   op = lambda *s: jax.ShapeDtypeStruct(s, jnp.dtype(cfg.operands))
-  ins = [U0] + ([W] if cfg.delta else []) + [k_end, decay, S0] + ([q_dec, P] if cfg.output else [])
-  in_specs = [per_v(Cp)] + ([per_k] if cfg.delta else []) + [per_k, dec, state] + ([per_k, per_c] if cfg.output
-                                                                                   else [])
+  ins = ([U0] + ([W] if cfg.delta else []) + [k_end, decay, S0] + ([q_dec, P] if cfg.output else [])
+         + ([A, beta] if cfg.channel else []))
+  in_specs = ([per_v(Cp)] + ([per_k] if cfg.delta else []) + [per_k, dec, state]
+              + ([per_k, per_c] if cfg.output else []) + ([per_c, per_v(Cp)] if cfg.channel else []))
   if cfg.output:
     outs = [jax.ShapeDtypeStruct((L, N, Cp, Vp), jnp.dtype(cfg.out_dtype)), f32(L, Kp, Vp)]
     out_specs = [per_v(Cp), state]
@@ -193,9 +295,12 @@ def _forward_call(cfg: Config, U0, W, k_end, decay, S0, q_dec=None, P=None):
   # Two stages let Triton prefetch chunk n + 1's W, k_end and U0 while chunk n computes: about 200 KB of
   # shared memory at K = 128, C = BV = 64 (Triton 3.9, sm_90), under the H200's 227 KB; one stage beyond. With
   # the output, q_dec and P join them: two stages where one stage's blocks take at most the 80 KiB of that case
-  # (float32 there), which bfloat16 operands meet at the same sizes and float32 ones do not.
-  if cfg.output:
-    stage_bytes = jnp.dtype(cfg.operands).itemsize * (Cp * BV + (2 + cfg.delta) * Cp * Kp + Cp * Cp)
+  # (float32 there), which bfloat16 operands meet at the same sizes and float32 ones do not. Per-value-channel
+  # beta adds A and beta (float32) and is held to the same 80 KiB (not yet compiled on a card).
+  if cfg.output or cfg.channel:
+    per_k_blocks = 1 + cfg.delta + cfg.output  # k_end, W or k_dec, q_dec
+    stage_bytes = (jnp.dtype(cfg.operands).itemsize * (Cp * BV + per_k_blocks * Cp * Kp + cfg.output * Cp * Cp)
+                   + 4 * cfg.channel * (Cp * Cp + Cp * BV))
     stages = 2 if stage_bytes <= 80 * 1024 else 1
   else:
     stages = 2 if Cp * Kp <= 64 * 128 and BV <= 64 else 1
@@ -205,29 +310,39 @@ def _forward_call(cfg: Config, U0, W, k_end, decay, S0, q_dec=None, P=None):
   return tuple(_unrows(r, B) for r in res)
 
 
-def _backward_call(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T):
+def _backward_call(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0=None, A=None, beta=None):
   """The backward kernel on operands [B, HV, ...]: (dU0, dW, dk_end, ddecay, dS0) [B, HV, ...], without dW
-  when there is no W."""
+  when there is no W; with cfg.channel (which reads U0, A and beta too) (dU0, dW, dk_end, ddecay, dA, dS0,
+  dbeta)."""
   B, HV, N, Cp, Vp = U.shape
   L, Kp, BV = B * HV, k_end.shape[-1], cfg.block_v
   NV = Vp // BV
   per_v, per_k, dec, state, part_k, part_decay = _specs(L, N, Cp, Kp, BV)
+  per_c = pl.BlockSpec((None, N, Cp, Cp), lambda i, j: (i, 0, 0, 0))
+  part_c = pl.BlockSpec((None, None, N, Cp, Cp), lambda i, j: (i, j, 0, 0, 0))
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-  ins = ([W] if cfg.delta else []) + [k_end, decay, S_in, U, dS_in, dU, dS_T]
-  in_specs = ([per_k] if cfg.delta else []) + [per_k, dec, per_v(Kp), per_v(Cp), per_v(Kp), per_v(Cp), state]
-  outs = ([f32(L, N, Cp, Vp)] + ([f32(L, NV, N, Cp, Kp)] if cfg.delta else [])
-          + [f32(L, NV, N, Cp, Kp), f32(L, NV, N, Kp), f32(L, Kp, Vp)])
-  out_specs = [per_v(Cp)] + ([part_k] if cfg.delta else []) + [part_k, part_decay, state]
+  ins = ([W] if cfg.delta else []) + [k_end, decay, S_in, U, dS_in, dU, dS_T] + ([U0, A, beta] if cfg.channel else [])
+  in_specs = (([per_k] if cfg.delta else []) + [per_k, dec, per_v(Kp), per_v(Cp), per_v(Kp), per_v(Cp), state]
+              + ([per_v(Cp), per_c, per_v(Cp)] if cfg.channel else []))
+  outs = ([f32(L, N, Cp, Vp)] * (1 + cfg.channel) + ([f32(L, NV, N, Cp, Kp)] if cfg.delta else [])
+          + [f32(L, NV, N, Cp, Kp), f32(L, NV, N, Kp)] + ([f32(L, NV, N, Cp, Cp)] if cfg.channel else [])
+          + [f32(L, Kp, Vp)])
+  out_specs = ([per_v(Cp)] * (1 + cfg.channel) + ([part_k] if cfg.delta else []) + [part_k, part_decay]
+               + ([part_c] if cfg.channel else []) + [state])
   # On float32 operands one stage: two would take about 256 KB of shared memory at K = 128, C = BV = 64, over
   # the H200's 227 KB; bfloat16 operands halve that. Eight warps: the state and its cotangent both live in
-  # registers; at four the compiled kernel spilled.
+  # registers; at four the compiled kernel spilled. Per-value-channel beta: one stage (it reads A, v and beta
+  # too; not yet compiled on a card).
   small = Cp * Kp <= 64 * 128 and BV <= 64
-  stages = BWD_STAGES_BF16 if cfg.operands == "bfloat16" and small else 1
+  stages = BWD_STAGES_BF16 if cfg.operands == "bfloat16" and small and not cfg.channel else 1
   res = _call(functools.partial(_backward_kernel, cfg=cfg, N=N), cfg, (L, NV), [_rows(x) for x in ins],
               in_specs, outs, out_specs, "gdn_chunk_states_bwd", 8, stages)
-  # The K-side cotangents come per value block; their sum stays inside, so it runs on each device's rows too.
-  dU0, *parts, dS0 = res
-  return tuple(_unrows(r, B) for r in [dU0] + [p.sum(1) for p in parts] + [dS0])
+  # The K- and C-side cotangents come per value block; their sum stays inside, so it runs on each device's rows
+  # too.
+  dU0, *res = res
+  dbeta = [res.pop(0)] if cfg.channel else []
+  *parts, dS0 = res
+  return tuple(_unrows(r, B) for r in [dU0] + [p.sum(1) for p in parts] + [dS0] + dbeta)
 
 
 def _rows(x):
@@ -281,54 +396,65 @@ def _rule(ins: str, outs: str) -> str:
   return f"{lead(ins)} -> {lead(outs)}"
 
 
+def _forward_rule(delta: bool, output: bool, channel: bool) -> str:
+  """`_forward_call`'s sharding rule for one operand list (the factor i: P's and A's second C axis)."""
+  ins = (["n c v"] + ["n c k"] * delta + ["n c k", "n k", "k v"] + ["n c k", "n c i"] * output
+         + ["n c i", "n c v"] * channel)
+  outs = ["n c v"] if output else ["n k v"] + ["n c v"] * delta
+  return _rule(",".join(ins), ",".join(outs + ["k v"]))
+
+
 # One op per operand list: without the delta rule there is no W (nor U among the forward results, nor dW); the
-# forward with the output (keys (delta, True)) reads q_dec and P (its second C axis the factor i) and returns O.
-_FORWARD = {
-    (True, False): _per_rows(_forward_call, _rule("n c v,n c k,n c k,n k,k v", "n k v,n c v,k v")),
-    (False, False): _per_rows(_forward_call, _rule("n c v,n c k,n k,k v", "n k v,k v")),
-    (True, True): _per_rows(_forward_call, _rule("n c v,n c k,n c k,n k,k v,n c k,n c i", "n c v,k v")),
-    (False, True): _per_rows(_forward_call, _rule("n c v,n c k,n k,k v,n c k,n c i", "n c v,k v")),
-}
+# forward with the output reads q_dec and P and returns O; per-value-channel beta reads A and beta too.
+_FORWARD = {(delta, output, channel): _per_rows(_forward_call, _forward_rule(delta, output, channel))
+            for delta in (True, False) for output in (True, False) for channel in (delta, False)}
 _BACKWARD = {
-    True: _per_rows(_backward_call, _rule("n c k,n c k,n k,n k v,n c v,n k v,n c v,k v",
-                                          "n c v,n c k,n c k,n k,k v")),
-    False: _per_rows(_backward_call, _rule("n c k,n k,n k v,n c v,n k v,n c v,k v", "n c v,n c k,n k,k v")),
+    (True, False): _per_rows(_backward_call, _rule("n c k,n c k,n k,n k v,n c v,n k v,n c v,k v",
+                                                   "n c v,n c k,n c k,n k,k v")),
+    (False, False): _per_rows(_backward_call, _rule("n c k,n k,n k v,n c v,n k v,n c v,k v", "n c v,n c k,n k,k v")),
+    (True, True): _per_rows(_backward_call, _rule("n c k,n c k,n k,n k v,n c v,n k v,n c v,k v,n c v,n c i,n c v",
+                                                  "n c v,n c k,n c k,n k,n c i,k v,n c v")),
 }
 
 
-def _forward(cfg: Config, U0, W, k_end, decay, S0, q_dec=None, P=None):
+def _forward(cfg: Config, U0, W, k_end, decay, S0, q_dec=None, P=None, A=None, beta=None):
   """(S_in, U, S_T), U = U0 without the delta rule; with cfg.output (O, S_T)."""
-  res = _FORWARD[cfg.delta, cfg.output](cfg, U0, W, k_end, decay, S0, q_dec, P)
+  res = _FORWARD[cfg.delta, cfg.output, cfg.channel](cfg, U0, W, k_end, decay, S0, q_dec, P, A, beta)
   if cfg.delta or cfg.output:
     return res
   S_in, S_T = res
   return S_in, U0, S_T
 
 
-def _backward(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T):
-  res = _BACKWARD[cfg.delta](cfg, W, k_end, decay, S_in, U, dS_in, dU, dS_T)
-  if cfg.delta:
-    return res
-  dU0, dk_end, ddecay, dS0 = res
-  return dU0, None, dk_end, ddecay, dS0
+def _backward(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0=None, A=None, beta=None):
+  """(dU0, dW, dk_end, ddecay, dS0, dA, dbeta): dW None without the delta rule, dA and dbeta None but for
+  per-value-channel beta."""
+  res = _BACKWARD[cfg.delta, cfg.channel](cfg, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0, A, beta)
+  if cfg.channel:
+    dU0, dW, dk_end, ddecay, dA, dS0, dbeta = res
+    return dU0, dW, dk_end, ddecay, dS0, dA, dbeta
+  if not cfg.delta:
+    dU0, dk_end, ddecay, dS0 = res
+    res = dU0, None, dk_end, ddecay, dS0
+  return res + (None, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _state_pass(cfg: Config, U0, W, k_end, decay, S0):
+def _state_pass(cfg: Config, U0, W, k_end, decay, S0, A=None, beta=None):
   """(S_in [B, HV, N, Kp, Vp], U [B, HV, N, Cp, Vp], S_T [B, HV, Kp, Vp]) from padded operands (U0, W, k_end
-  in cfg.operands, decay and S0 float32); W is None without the delta rule."""
-  return _forward(cfg, U0, W, k_end, decay, S0)
+  in cfg.operands, decay and S0 float32); W is None without the delta rule. With cfg.channel (per-value-channel
+  beta) U0 is v, W is k_dec, and A [.., Cp, Cp] and beta [.., Cp, Vp] (float32) come too."""
+  return _forward(cfg, U0, W, k_end, decay, S0, A=A, beta=beta)
 
 
-def _state_pass_fwd(cfg, U0, W, k_end, decay, S0):
-  S_in, U, S_T = _forward(cfg, U0, W, k_end, decay, S0)
-  return (S_in, U, S_T), (W, k_end, decay, S_in, U)
+def _state_pass_fwd(cfg, U0, W, k_end, decay, S0, A=None, beta=None):
+  S_in, U, S_T = _forward(cfg, U0, W, k_end, decay, S0, A=A, beta=beta)
+  return (S_in, U, S_T), (W, k_end, decay, S_in, U) + ((U0, A, beta) if cfg.channel else ())
 
 
 def _state_pass_bwd(cfg, res, cts):
-  W, k_end, decay, S_in, U = res
   dS_in, dU, dS_T = cts
-  return _backward(cfg, W, k_end, decay, S_in, U, dS_in, dU, dS_T)
+  return _backward(cfg, *res[:5], dS_in, dU, dS_T, *res[5:])
 
 
 _state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
@@ -340,17 +466,17 @@ def _output(cfg: Config, q_dec, P, S_in, U):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _output_pass(cfg: Config, U0, W, k_end, decay, S0, q_dec, P):
+def _output_pass(cfg: Config, U0, W, k_end, decay, S0, q_dec, P, A=None, beta=None):
   """(O [B, HV, N, Cp, Vp] in cfg.out_dtype, S_T [B, HV, Kp, Vp]) from `_state_pass`'s operands and the padded
   q_dec [.., Cp, Kp] and P [.., Cp, Cp]: one forward kernel that never writes S_in or U."""
-  return _forward(cfg, U0, W, k_end, decay, S0, q_dec, P)
+  return _forward(cfg, U0, W, k_end, decay, S0, q_dec, P, A, beta)
 
 
-def _output_pass_fwd(cfg, U0, W, k_end, decay, S0, q_dec, P):
+def _output_pass_fwd(cfg, U0, W, k_end, decay, S0, q_dec, P, A=None, beta=None):
   # Differentiated: today's program. The state pass writes S_in and U for the backward kernel, XLA computes O
   # from them, and the backward is the backward kernel after the VJP of that product.
   states = dataclasses.replace(cfg, output=False)
-  (S_in, U, S_T), res = _state_pass_fwd(states, U0, W, k_end, decay, S0)
+  (S_in, U, S_T), res = _state_pass_fwd(states, U0, W, k_end, decay, S0, A, beta)
   O, out_vjp = jax.vjp(functools.partial(_output, cfg), q_dec, P, S_in, U)
   return (O, S_T), (res, out_vjp)
 
@@ -360,7 +486,8 @@ def _output_pass_bwd(cfg, res, cts):
   dO, dS_T = cts
   dq_dec, dP, dS_in, dU = out_vjp(dO)
   states = dataclasses.replace(cfg, output=False)
-  return _state_pass_bwd(states, res, (dS_in, dU, dS_T)) + (dq_dec, dP)
+  dU0, dW, dk_end, ddecay, dS0, dA, dbeta = _state_pass_bwd(states, res, (dS_in, dU, dS_T))
+  return dU0, dW, dk_end, ddecay, dS0, dq_dec, dP, dA, dbeta
 
 
 _output_pass.defvjp(_output_pass_fwd, _output_pass_bwd)
@@ -375,12 +502,14 @@ def _pad(x, *target, dtype):
   return jnp.pad(x, [(0, 0)] * (x.ndim - len(target)) + [(0, t - s) for s, t in zip(x.shape[-len(target):], target)])
 
 
-def _operands(loc: intra_chunk.Local, S0, prec, block_v: int, interpret: Optional[bool], output=None):
+def _operands(loc: intra_chunk.Local, S0, prec, block_v: int, interpret: Optional[bool], output=None, beta=None):
   """The kernels' Config and padded operands (U0, W or None, k_end, decay, S0, and with `output`, O's dtype, q_dec
-  and P)."""
-  delta = loc.A is not None or loc.W is not None  # the fused chunk-local kernel returns W without A
-  if delta and loc.W is None:
-    raise ValueError("the Pallas state pass needs loc.W (per-head beta); per-value-channel beta has none")
+  and P; then, for per-value-channel beta (loc.A without loc.W), A and `beta` [B, HV, N, C, V], with k_dec in W's
+  place)."""
+  channel = loc.W is None and loc.A is not None
+  delta = channel or loc.W is not None  # the fused chunk-local kernel returns W without A
+  if channel and beta is None:
+    raise ValueError("the Pallas state pass needs the chunked beta [B, HV, N, C, V] for per-value-channel beta")
   C, V = loc.U.shape[-2:]
   K = loc.k_end.shape[-1]
   Cp, Kp = _pow2(C), _pow2(K)
@@ -392,33 +521,38 @@ def _operands(loc: intra_chunk.Local, S0, prec, block_v: int, interpret: Optiona
   decay = jnp.broadcast_to(loc.decay, loc.decay.shape[:-1] + (K,))  # per-head decay: the same for every row
   interpret = default_interpret() if interpret is None else interpret
   cfg = Config(prec=kernel_precision(prec, interpret), block_v=BV, interpret=interpret, delta=delta,
-               operands=operands, output=output is not None,
-               out_dtype=jnp.dtype(output or jnp.float32).name, out_prec=prec if output is not None else None)
-  args = (op(loc.U, Cp, Vp), op(loc.W, Cp, Kp) if delta else None, op(loc.k_end, Cp, Kp), f32(decay, Kp),
-          f32(S0, Kp, Vp))
+               operands=operands, output=output is not None, out_dtype=jnp.dtype(output or jnp.float32).name,
+               out_prec=prec if output is not None else None, channel=channel)
+  args = (op(loc.U, Cp, Vp), op(loc.k_dec if channel else loc.W, Cp, Kp) if delta else None, op(loc.k_end, Cp, Kp),
+          f32(decay, Kp), f32(S0, Kp, Vp))
   if output is not None:
     args += (op(loc.q_dec, Cp, Kp), op(loc.P, Cp, Cp))
+  if channel:  # float32: the triangular solve's matrix and weights
+    args += (f32(loc.A, Cp, Cp), f32(beta, Cp, Vp))
   return cfg, args
 
 
-def state_pass(loc: intra_chunk.Local, S0, prec, *, block_v: int = BLOCK_V, interpret: Optional[bool] = None):
-  """The chunk-to-chunk recurrence of `chunk.scan_chunks` (per-head or no beta) as a Pallas kernel.
+def state_pass(loc: intra_chunk.Local, S0, prec, *, beta=None, block_v: int = BLOCK_V,
+               interpret: Optional[bool] = None):
+  """The chunk-to-chunk recurrence of `chunk.scan_chunks` as a Pallas kernel.
 
   Args:
-    loc: chunk-local quantities [B, HV, N, ...] with `loc.W` set, or `loc.A` None (no delta rule).
+    loc: chunk-local quantities [B, HV, N, ...] with `loc.W` set (per-head beta), `loc.A` and `loc.k_dec` without
+      `loc.W` (per-value-channel beta), or `loc.A` None (no delta rule).
     S0: the entering state [B, HV, K, V]. prec: matmul precision inside the kernel.
+    beta: per-value-channel beta in chunks [B, HV, N, C, V] (`chunk.prepare`'s), read only for that variant.
     block_v: value channels per program (rounded to a power of two >= 16, at most the padded V).
     interpret: run Pallas' interpreter; None: only where the default backend is not a GPU.
   Returns:
     S_T [B, HV, K, V], S_in [B, HV, N, K, V] and U [B, HV, N, C, V], as `chunk.scan_chunks`.
   """
-  cfg, args = _operands(loc, S0, prec, block_v, interpret)
+  cfg, args = _operands(loc, S0, prec, block_v, interpret, beta=beta)
   S_in, U, S_T = _state_pass(cfg, *args)
   (C, V), K = loc.U.shape[-2:], loc.k_end.shape[-1]
   return S_T[..., :K, :V], S_in[..., :K, :V], U[..., :C, :V]
 
 
-def output_pass(loc: intra_chunk.Local, S0, prec, *, out_dtype=jnp.float32, block_v: int = BLOCK_V,
+def output_pass(loc: intra_chunk.Local, S0, prec, *, beta=None, out_dtype=jnp.float32, block_v: int = BLOCK_V,
                 interpret: Optional[bool] = None):
   """`state_pass` with the output inside the kernel (FUSED_OUTPUT): O = Q_dec S_in + P U per chunk, what
   `chunk.finish` computes from `state_pass`'s results, without S_in or U ever written. Arguments as
@@ -428,7 +562,7 @@ def output_pass(loc: intra_chunk.Local, S0, prec, *, out_dtype=jnp.float32, bloc
     O [B, HV, N, C, V] in out_dtype (products accumulated in float32) and S_T [B, HV, K, V] float32.
     Differentiated, the forward is `state_pass`'s kernel and O the XLA product (see `_output_pass_fwd`).
   """
-  cfg, args = _operands(loc, S0, prec, block_v, interpret, output=out_dtype)
+  cfg, args = _operands(loc, S0, prec, block_v, interpret, output=out_dtype, beta=beta)
   O, S_T = _output_pass(cfg, *args)
   (C, V), K = loc.U.shape[-2:], loc.k_end.shape[-1]
   return O[..., :C, :V], S_T[..., :K, :V]
@@ -437,25 +571,24 @@ def output_pass(loc: intra_chunk.Local, S0, prec, *, out_dtype=jnp.float32, bloc
 def pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.Dims, chunk_size: int,
            block_v: int = BLOCK_V, interpret: Optional[bool] = None, local_groups: int = 1):
   """`method="pallas"`: `chunk` with its sequential chunk scan replaced by the Pallas kernels, and with
-  `FUSED_LOCAL` its chunk-local work by `pallas_local`'s kernel; local_groups as `chunk`'s. Declines
-  per-value-channel beta (its write vectors need a solve per value channel inside the scan)."""
-  if dims.beta_kind == "channel":
-    raise ValueError("method='pallas' does not support per-value-channel beta ([B, T, HV, V]); "
-                     "use method='chunk' or 'recurrent', or a per-head beta [B, T, HV]")
+  `FUSED_LOCAL` its chunk-local work by `pallas_local`'s kernel (per-head decay and beta); local_groups as
+  `chunk`'s. Every variant: with per-value-channel beta the state-pass kernel solves each chunk's write vectors
+  per value channel (`_channel_solve`)."""
   chunk_size = min(chunk_size, dims.T)
 
   def run(q, k, v, g, beta, initial_state, segment_ids):
     interp = default_interpret() if interpret is None else interpret
     switch = lambda flag: (not interp) if flag is None else flag  # None: where the kernels compile
     local = functools.partial(pallas_local.local, interpret=interpret) if switch(FUSED_LOCAL) else intra_chunk.local
-    loc, _, _, _, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
-                                      chunk_size=chunk_size, local=local, local_groups=local_groups)
+    loc, _, bc, _, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
+                                       chunk_size=chunk_size, local=local, local_groups=local_groups)
     S0 = initial(initial_state, dims, cdt)
+    bc = bc if dims.beta_kind == "channel" else None
     if switch(FUSED_OUTPUT):
       out_dtype = v.dtype if v.dtype.itemsize < 4 else jnp.float32  # 16-bit: the op's output dtype
-      O, S_T = output_pass(loc, S0, prec, out_dtype=out_dtype, block_v=block_v, interpret=interpret)
+      O, S_T = output_pass(loc, S0, prec, beta=bc, out_dtype=out_dtype, block_v=block_v, interpret=interpret)
       return unchunk(O.astype(cdt), dims, chunk_size), S_T.astype(cdt)
-    S_T, S_in, U = state_pass(loc, S0, prec, block_v=block_v, interpret=interpret)
+    S_T, S_in, U = state_pass(loc, S0, prec, beta=bc, block_v=block_v, interpret=interpret)
     return finish(loc, S_in, U, prec, dims, chunk_size), S_T.astype(cdt)
 
   return isolate_segments(run)(q, k, v, g, beta, initial_state, segment_ids)

@@ -60,18 +60,19 @@ def state_pass(p: Prepared, S0=None, *, method: str = "scan"):
   """The chunk-to-chunk recurrence S_{n+1} = Diag(decay_n) S_n + K_end_n^T U_n(S_n) from S0 (None: zeros).
 
   method: "scan" (sequential `lax.scan` over chunks, every variant), "associative" (log-depth scan over the
-  chunks' affine maps) or "pallas" (a Pallas kernel pair; compiled on GPUs, interpreted elsewhere); the last two
-  decline per-value-channel beta. Returns (S_T, S_in, U) as described in the module docstring.
+  chunks' affine maps; declines per-value-channel beta) or "pallas" (a Pallas kernel pair, every variant;
+  compiled on GPUs, interpreted elsewhere). Returns (S_T, S_in, U) as described in the module docstring.
   """
   if method not in STATE_PASSES:
     raise ValueError(f"method must be one of {STATE_PASSES}, got {method!r}")
-  if method != "scan" and p.dims.beta_kind == "channel":
-    raise ValueError(f"state pass method={method!r} does not support per-value-channel beta; use method='scan'")
+  if method == "associative" and p.dims.beta_kind == "channel":
+    raise ValueError(f"state pass method={method!r} does not support per-value-channel beta; use method='scan' "
+                     f"or 'pallas'")
   S0 = initial_state(p, S0)
   if method == "scan":
     return chunk.scan_chunks(p.local, p.beta, S0, p.precision)
   if method == "pallas":
-    return pallas_chunk.state_pass(p.local, S0, p.precision)
+    return pallas_chunk.state_pass(p.local, S0, p.precision, beta=p.beta)
   Mc, Bc = associative.cumulative_maps(p.local, p.precision)
   S_in, S_T = associative.states_from_maps(Mc, Bc, S0, p.precision)
   return S_T, S_in, chunk.write_vectors(p.local, S_in, p.beta, p.precision)
