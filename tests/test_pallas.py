@@ -274,3 +274,26 @@ def test_batch_sharded_runs_per_device():
 
 if __name__ == "__main__":
   _sharded_child()
+
+
+@pytest.mark.parametrize("beta_kind", ["head", "channel"])
+def test_vmap_folds_the_mapped_axis_into_the_batch(beta_kind):
+  """Under `jax.vmap` (sweep cells stacked by `gdn.train.train_stacked`) the kernels' `custom_partitioning` ops,
+  which have no batching rule of their own, fold the mapped axis into the batch: the vmapped forward and
+  gradients equal each member's own call. The initial state is left unmapped (broadcast by the rule)."""
+  xs = [make_inputs(s, 1, 20, 1, 2, 8, 8, "head", beta_kind, segments=True) for s in (31, 32)]
+  names = ("q", "k", "v", "g", "beta")
+  S0, seg = jnp.asarray(xs[0]["initial_state"]), jnp.asarray(xs[0]["segment_ids"])
+
+  def loss(*arrays):
+    o, S = ops.gated_delta_rule(*arrays, initial_state=S0, segment_ids=seg, method="pallas", chunk_size=16)
+    return jnp.sum(o * o) + jnp.sum(jnp.sin(S))
+
+  grad = jax.value_and_grad(loss, argnums=tuple(range(len(names))))
+  stacked = [jnp.stack([jnp.asarray(x[n]) for x in xs]) for n in names]
+  value, grads = jax.jit(jax.vmap(grad))(*stacked)
+  for i, x in enumerate(xs):
+    want_value, want_grads = jax.jit(grad)(*(jnp.asarray(x[n]) for n in names))
+    assert rel(np.asarray(value[i]), np.asarray(want_value)) < 1e-6
+    for n, got, want in zip(names, grads, want_grads):
+      assert rel(np.asarray(got[i]), np.asarray(want)) < 1e-5, n

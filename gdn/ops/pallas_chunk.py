@@ -52,6 +52,7 @@ import functools
 from typing import Optional
 
 import jax
+import jax.custom_batching
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -417,9 +418,32 @@ _BACKWARD = {
 }
 
 
+def _batched_rows(op, cfg: Config, *arrays):
+  """`op(cfg, *arrays)` with a batching rule: `custom_partitioning` has none, so under `jax.vmap` (e.g. sweep
+  cells stacked by `gdn.train.train_stacked`) the mapped axis is folded into the batch axis b, which every
+  operand and result leads with, and unfolded from the results. Unmapped operands are broadcast first."""
+
+  @jax.custom_batching.custom_vmap
+  def call(*xs):
+    return op(cfg, *xs)
+
+  @call.def_vmap
+  def rule(axis_size, in_batched, *xs):
+    def fold(x, mapped):
+      x = x if mapped else jnp.broadcast_to(x, (axis_size,) + x.shape)
+      return x.reshape((axis_size * x.shape[1],) + x.shape[2:])
+
+    out = call(*jax.tree.map(fold, xs, tuple(in_batched)))
+    out = jax.tree.map(lambda y: y.reshape((axis_size, y.shape[0] // axis_size) + y.shape[1:]), out)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return call(*arrays)
+
+
 def _forward(cfg: Config, U0, W, k_end, decay, S0, q_dec=None, P=None, A=None, beta=None):
   """(S_in, U, S_T), U = U0 without the delta rule; with cfg.output (O, S_T)."""
-  res = _FORWARD[cfg.delta, cfg.output, cfg.channel](cfg, U0, W, k_end, decay, S0, q_dec, P, A, beta)
+  res = _batched_rows(_FORWARD[cfg.delta, cfg.output, cfg.channel], cfg, U0, W, k_end, decay, S0, q_dec, P, A,
+                      beta)
   if cfg.delta or cfg.output:
     return res
   S_in, S_T = res
@@ -429,7 +453,8 @@ def _forward(cfg: Config, U0, W, k_end, decay, S0, q_dec=None, P=None, A=None, b
 def _backward(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0=None, A=None, beta=None):
   """(dU0, dW, dk_end, ddecay, dS0, dA, dbeta): dW None without the delta rule, dA and dbeta None but for
   per-value-channel beta."""
-  res = _BACKWARD[cfg.delta, cfg.channel](cfg, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0, A, beta)
+  res = _batched_rows(_BACKWARD[cfg.delta, cfg.channel], cfg, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0, A,
+                      beta)
   if cfg.channel:
     dU0, dW, dk_end, ddecay, dA, dS0, dbeta = res
     return dU0, dW, dk_end, ddecay, dS0, dA, dbeta
