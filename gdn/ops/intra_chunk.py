@@ -191,11 +191,34 @@ def solve_unit_lower(L, rhs):
   return jax.lax.linalg.triangular_solve(L, rhs, left_side=True, lower=True, unit_diagonal=True)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def invert_unit_lower(L, prec, block: int = 16):
   """(I + L)^{-1} [.., C, C] for strictly lower-triangular L, by forward substitution inside diagonal blocks
   of `block` rows, then merging pairs of diagonal blocks with matmuls:
   [[A, 0], [X, D]]^{-1} = [[A^-1, 0], [-D^-1 X A^-1, D^-1]]. Exact algebra, like a triangular solve, but
-  made of batched matmuls, which is what GPUs run fast."""
+  made of batched matmuls, which is what GPUs run fast.
+
+  Its VJP is the inverse's own, dL = -T^T dT T^T on the strictly lower triangle (the only entries read): two
+  batched matmuls from the saved T, instead of differentiating the forward substitution's row-by-row updates,
+  which autodiff turns into a chain of small kernels as long as the block."""
+  return _invert_unit_lower(L, prec, block)
+
+
+def _invert_unit_lower_fwd(L, prec, block):
+  T = _invert_unit_lower(L, prec, block)
+  return T, T
+
+
+def _invert_unit_lower_bwd(prec, block, T, dT):
+  C = T.shape[-1]
+  dL = -jnp.einsum("...ji,...jk,...lk->...il", T, dT.astype(T.dtype), T, precision=prec)
+  return (jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), dL, 0.0).astype(T.dtype),)
+
+
+invert_unit_lower.defvjp(_invert_unit_lower_fwd, _invert_unit_lower_bwd)
+
+
+def _invert_unit_lower(L, prec, block):
   C = L.shape[-1]
   s = block if C % block == 0 and (C // block) & (C // block - 1) == 0 else C
   lead = L.shape[:-2]
