@@ -11,6 +11,7 @@ out). Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head decay and beta 
   python -m experiments.bench_ops --methods chunk pallas --shapes 1,512,2,64   # any methods and shapes
   python -m experiments.bench_ops --breakdown --dtype bfloat16 --shapes 4,4096,64,128   # where pallas' time goes
   python -m experiments.bench_ops --preset h200 --dtype bfloat16 --fused-output off,on   # pallas_chunk.FUSED_OUTPUT
+  python -m experiments.bench_ops --preset h200 --dtype bfloat16 --switch intra_chunk.INVERSE_VJP=off,on
 
 "pallas" is in the GPU presets only: on CPU its kernels run in Pallas' interpreter, which times nothing useful.
 """
@@ -18,6 +19,7 @@ out). Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head decay and beta 
 from __future__ import annotations
 
 import argparse
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +28,7 @@ from gdn.bench.op_inputs import PRESETS, inputs
 from gdn.bench.op_fns import make_fn, vjp_of
 from gdn.bench.roofline import floor_ms
 from gdn.bench.timing import peak_bytes, timed
-from gdn.ops import checks, gated_delta_rule, pallas_chunk, stages
+from gdn.ops import checks, gated_delta_rule, stages
 
 
 def pallas_with(switches):
@@ -117,22 +119,27 @@ def print_breakdown(shapes, dtype, reps):
 SWITCH = {"off": False, "on": True, "auto": None}
 
 
-def print_fused_output(shapes, dtype, reps, settings):
-  """method='pallas' with `pallas_chunk.FUSED_OUTPUT` at each setting (off, on, auto) side by side, one process:
-  median ms forward and forward+backward, XLA's forward memory estimate, and each setting's time over the first's."""
+def print_switch(shapes, dtype, reps, module, name, settings):
+  """method='pallas' with the module switch `gdn.ops.<module>.<name>` at each setting (off, on, auto) side by
+  side, one process: median ms forward and forward+backward, XLA's forward memory estimate, and each setting's
+  time over the first's. The switch is restored after each trace."""
+  mod = importlib.import_module(f"gdn.ops.{module}")
+  if not hasattr(mod, name):
+    raise SystemExit(f"--switch: gdn.ops.{module} has no setting {name}")
   first, rest = settings[0], settings[1:]
   cols = ([f"fwd ms {s}" for s in settings] + [f"fwd {s} / {first}" for s in rest]
           + [f"fwd+bwd ms {s}" for s in settings] + [f"fwd+bwd {s} / {first}" for s in rest]
           + [f"fwd mem MiB {s}" for s in settings])
+  print(f"# {module}.{name} at {', '.join(settings)}")
   print("| B, T, H, D | " + " | ".join(cols) + " |")
   print("|---|" + "---|" * len(cols))
   for shape in shapes:
     rows = {}
     for s in settings:
       try:
-        rows[s] = bench(shape, "pallas", dtype, reps, f=pallas_with({(pallas_chunk, "FUSED_OUTPUT"): SWITCH[s]}))
+        rows[s] = bench(shape, "pallas", dtype, reps, f=pallas_with({(mod, name): SWITCH[s]}))
       except Exception as e:  # report and go on: one failing setting must not hide the others
-        print(f"  {shape} FUSED_OUTPUT {s}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        print(f"  {shape} {name} {s}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     cell = lambda s, key, scale=1: f"{rows[s][key] / scale:.2f}" if s in rows else "failed"
     ratio = lambda s, key: f"{rows[s][key] / rows[first][key]:.2f}" if s in rows and first in rows else "-"
     cells = ([cell(s, "fwd_ms") for s in settings] + [ratio(s, "fwd_ms") for s in rest]
@@ -153,6 +160,8 @@ def main(argv=None):
   p.add_argument("--fused-output", metavar="off,on",
                  help="time method='pallas' with pallas_chunk.FUSED_OUTPUT at each of these settings (off, on, "
                       "auto = None) side by side, with the ratios to the first")
+  p.add_argument("--switch", metavar="MODULE.NAME=off,on",
+                 help="the same for any module switch of gdn.ops, e.g. intra_chunk.INVERSE_VJP=off,on")
   a = p.parse_args(argv)
   preset = PRESETS[a.preset]
   methods = a.methods or preset["methods"]
@@ -164,11 +173,14 @@ def main(argv=None):
   shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else preset["shapes"]
   if a.breakdown:
     return print_breakdown(shapes, dtype, a.reps)
-  if a.fused_output:
-    settings = a.fused_output.split(",")
-    if not settings or any(s not in SWITCH for s in settings):
-      p.error(f"--fused-output takes a comma-separated list of {sorted(SWITCH)}, got {a.fused_output!r}")
-    return print_fused_output(shapes, dtype, a.reps, settings)
+  if a.fused_output or a.switch:
+    spec = a.switch or f"pallas_chunk.FUSED_OUTPUT={a.fused_output}"
+    target, _, values = spec.partition("=")
+    module, _, name = target.partition(".")
+    settings = values.split(",")
+    if not module or not name or any(s not in SWITCH for s in settings):
+      p.error(f"--switch takes MODULE.NAME=a,b with settings from {sorted(SWITCH)}, got {spec!r}")
+    return print_switch(shapes, dtype, a.reps, module, name, settings)
   print("| B, T, H, D | method | fwd ms | fwd+bwd ms | fwd mem MiB | fwd+bwd mem MiB |"
         + (" fwd % of H200 floor | fwd+bwd % of H200 floor |" if on_gpu else ""))
   print("|---|---|---|---|---|---|" + ("---|---|" if on_gpu else ""))

@@ -62,3 +62,19 @@ def test_fused_output_table_runs_on_cpu(capsys):
   for col in ("fwd ms off", "fwd ms on", "fwd on / off", "fwd+bwd ms off", "fwd+bwd ms on", "fwd+bwd on / off"):
     assert float(cells[col]) > 0, (col, cells)
   assert pallas_chunk.FUSED_OUTPUT == before
+
+
+def test_switch_table_runs_on_cpu(capsys):
+  """--switch intra_chunk.INVERSE_VJP=off,on: both settings timed side by side and the switch restored; a name
+  the module does not have is refused."""
+  from gdn.ops import intra_chunk
+
+  before = intra_chunk.INVERSE_VJP
+  bench_ops.main(["--switch", "intra_chunk.INVERSE_VJP=off,on", "--shapes", "1,64,1,16", "--reps", "1"])
+  out = capsys.readouterr().out.splitlines()
+  assert "# intra_chunk.INVERSE_VJP at off, on" in out
+  (row,) = [l for l in out if l.startswith("| 1, 64, 1, 16 |")]
+  assert "failed" not in row
+  assert intra_chunk.INVERSE_VJP == before
+  with pytest.raises(SystemExit, match="no setting NOPE"):
+    bench_ops.main(["--switch", "intra_chunk.NOPE=off,on", "--shapes", "1,64,1,16", "--reps", "1"])

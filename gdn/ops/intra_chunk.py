@@ -191,16 +191,26 @@ def solve_unit_lower(L, rhs):
   return jax.lax.linalg.triangular_solve(L, rhs, left_side=True, lower=True, unit_diagonal=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+# invert_unit_lower's VJP: True, the inverse's own (two batched matmuls from the saved inverse); False, autodiff
+# through the forward substitution (the chain of row updates, reversed). Read at trace time; a switch so that
+# `experiments/bench_ops.py --switch intra_chunk.INVERSE_VJP=off,on` can time both in one process.
+INVERSE_VJP = True
+
+
 def invert_unit_lower(L, prec, block: int = 16):
   """(I + L)^{-1} [.., C, C] for strictly lower-triangular L, by forward substitution inside diagonal blocks
   of `block` rows, then merging pairs of diagonal blocks with matmuls:
   [[A, 0], [X, D]]^{-1} = [[A^-1, 0], [-D^-1 X A^-1, D^-1]]. Exact algebra, like a triangular solve, but
   made of batched matmuls, which is what GPUs run fast.
 
-  Its VJP is the inverse's own, dL = -T^T dT T^T on the strictly lower triangle (the only entries read): two
-  batched matmuls from the saved T, instead of differentiating the forward substitution's row-by-row updates,
-  which autodiff turns into a chain of small kernels as long as the block."""
+  With INVERSE_VJP its VJP is the inverse's own, dL = -T^T dT T^T on the strictly lower triangle (the only
+  entries read): two batched matmuls from the saved T, instead of differentiating the forward substitution's
+  row-by-row updates, which autodiff turns into a chain of small kernels as long as the block."""
+  return (_inverse_own_vjp if INVERSE_VJP else _invert_unit_lower)(L, prec, block)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _inverse_own_vjp(L, prec, block):
   return _invert_unit_lower(L, prec, block)
 
 
@@ -215,7 +225,7 @@ def _invert_unit_lower_bwd(prec, block, T, dT):
   return (jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), dL, 0.0).astype(T.dtype),)
 
 
-invert_unit_lower.defvjp(_invert_unit_lower_fwd, _invert_unit_lower_bwd)
+_inverse_own_vjp.defvjp(_invert_unit_lower_fwd, _invert_unit_lower_bwd)
 
 
 def _invert_unit_lower(L, prec, block):
