@@ -209,17 +209,40 @@ def test_compare_stack_trains_every_cell_and_writes_the_report(tmp_path, monkeyp
   overrides = [o for o in TINY if not o.startswith(("model.pattern", "model.num_layers", "train.stop_step"))]
   overrides += ["model.num_layers=1", "train.steps=8", "train.eval_every=0", "train.checkpoint_every=0"]
   args = ["--config", path, *(f"--config.{o}" for o in overrides)]
-  assert compare.main([*args, "--stack", "--stack-size", "2"]) == 0
-  assert "] stacked: attention__base__seed0__lr0.001, attention__base__seed0__lr0.003" in capsys.readouterr().out
   cells = grid.expand(apply_overrides(load(path), overrides))
-  assert len(cells) == 6 and all(grid.done(c) for c in cells)
   # At most 2 cells a program, within each model: 2 + 1 for each of the two models.
   assert [len(p) for p in grid.stacks(cells, 2)] == [2, 1, 2, 1]
+  assert compare.main([*args, "--stack", "--stack-size", "2"]) == 0
+  assert "] stacked: attention__base__seed0__lr0.001, attention__base__seed0__lr0.003" in capsys.readouterr().out
+  assert len(cells) == 6 and all(grid.done(c) for c in cells)
+  assert grid.stacks(cells, 2) == []  # nothing left to train
   assert len(os.listdir(os.path.join("results", "stacked_sweep", "runs", ".stacked"))) == 4
   with open(os.path.join("results", "stacked_sweep", "table.md")) as f:
     table = f.read()
   assert "| attention | base |" in table and "| gdn | base |" in table
 
   assert compare.main([*args, "--stack", "--stack-size", "2"]) == 0
-  assert capsys.readouterr().out.count("done already") == 4
+  assert capsys.readouterr().out.count("done already") == 6
   assert compare.main([*args, "--stack-size", "2"]) == 2  # --stack-size without --stack is refused
+
+
+def test_pieces_resume_checkpointed_groups_and_leave_finished_cells_out(tmp_path, monkeypatch):
+  """`grid.stacks` on a half-done sweep: a cell that finished joins no piece, a piece with checkpoints (found by
+  its cells.json) comes back as it was, and the rest of its group fills new pieces."""
+  path = str(tmp_path / "sweep.py")
+  with open(path, "w") as f:
+    f.write(SWEEP.format(root=ROOT))
+  monkeypatch.chdir(tmp_path)
+  cells = grid.expand(load(path))  # attention, then gdn, each at 1e-3, 3e-3, 1e-2
+  os.makedirs(cells[0].config.run_dir)
+  with open(os.path.join(cells[0].config.run_dir, "summary.json"), "w") as f:
+    json.dump({"steps": cells[0].config.train.last_step}, f)
+  piece = os.path.join("results", "stacked_sweep", "runs", ".stacked", "0123456789abcdef")
+  os.makedirs(os.path.join(piece, "checkpoints", "4"))
+  with open(os.path.join(piece, "cells.json"), "w") as f:
+    json.dump([cells[5].id, cells[4].id], f)
+  ids = lambda pieces: [[c.id for c in p] for p in pieces]
+  assert ids(grid.stacks(cells, 2)) == [[cells[1].id, cells[2].id], [cells[5].id, cells[4].id], [cells[3].id]]
+  assert ids(grid.stacks(cells)) == [[cells[1].id, cells[2].id], [cells[5].id, cells[4].id], [cells[3].id]]
+  os.rmdir(os.path.join(piece, "checkpoints", "4"))  # without checkpoints the piece is not kept
+  assert ids(grid.stacks(cells, 2)) == [[cells[1].id, cells[2].id], [cells[3].id, cells[4].id], [cells[5].id]]

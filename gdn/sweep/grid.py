@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 
 import ml_collections
@@ -13,7 +14,7 @@ from gdn.train.config import ExperimentConfig, from_dict
 from gdn.train.config_file import apply_overrides
 from gdn.train.loop import NonFiniteLoss, train
 from gdn.train.stacked import train_stacked
-from gdn.train.workdir import finished
+from gdn.train.workdir import finished, has_checkpoints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,19 +99,42 @@ def run_cells(cells, shard: int = 0, num_shards: int = 1, log=print, stack: bool
 
 
 def stacks(cells, stack_size: int = 0) -> list:
-  """The cells cut into the lists that `run_cells(stack=True)` trains as one program each: every (model, setting)
-  group in order, in pieces of at most `stack_size` cells (0: whole). The pieces depend on the sweep alone, not
-  on which cells have finished, so that a relaunch finds each piece's checkpoints again."""
-  size = lambda g: stack_size or len(g)
-  return [g[i:i + size(g)] for g in _groups(cells) for i in range(0, len(g), size(g))]
+  """The cells left to train, cut into the lists that `run_cells(stack=True)` trains as one program each, every
+  (model, setting) group in turn. First a group's pieces that have checkpoints (`.stacked/<hash>/`, named by
+  its cells.json) and a cell still to train, as they were, so that a relaunch resumes them; then its other
+  unfinished cells in pieces of at most `stack_size` (0: all of them). Finished cells join no new piece, so a
+  group resumed with most of its cells done computes only the rest."""
+  pieces = []
+  for group in _groups(cells):
+    by_id = {c.id: c for c in group}
+    taken = set()
+    for ids in _checkpointed_pieces(group):
+      if set(ids) <= by_id.keys() and not taken & set(ids) and not all(done(by_id[i]) for i in ids):
+        pieces.append([by_id[i] for i in ids])
+        taken |= set(ids)
+    rest = [c for c in group if c.id not in taken and not done(c)]
+    size = stack_size or max(len(rest), 1)
+    pieces += [rest[i:i + size] for i in range(0, len(rest), size)]
+  return pieces
+
+
+def _checkpointed_pieces(group) -> list:
+  """The cell ids of each stacked piece with checkpoints beside the group's run directories, in name order."""
+  root = os.path.join(os.path.dirname(os.path.abspath(group[0].config.run_dir)), ".stacked")
+  pieces = []
+  for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+    path = os.path.join(root, name, "cells.json")
+    if os.path.exists(path) and has_checkpoints(os.path.join(root, name, "checkpoints")):
+      with open(path) as f:
+        pieces.append(json.load(f))
+  return pieces
 
 
 def _run_stacked(cells, stack_size: int, log) -> None:
+  for cell in cells:
+    if done(cell):
+      log(f"{cell.id}: done already")
   pieces = stacks(cells, stack_size)
   for i, piece in enumerate(pieces):
-    names = ", ".join(c.id for c in piece)
-    if all(done(c) for c in piece):
-      log(f"[{i + 1}/{len(pieces)}] {names}: done already")
-      continue
-    log(f"[{i + 1}/{len(pieces)}] stacked: {names}")
+    log(f"[{i + 1}/{len(pieces)}] stacked: {', '.join(c.id for c in piece)}")
     train_stacked([c.config for c in piece], log=log)
