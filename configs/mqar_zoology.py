@@ -30,13 +30,14 @@ LRS = (1e-4, 4.6e-4, 2.2e-3, 1e-2)  # np.logspace(-4, -2, 4), rounded
 EXAMPLES, EPOCHS = 100_000, 64
 SETTINGS = ((64, 4, 512), (128, 8, 512), (256, 16, 256))  # length, pairs, batch
 WIDTHS = (64, 128, 256, 512)
+CHECKPOINT_EVERY = 2500  # so that a run cut by a command's time limit resumes from at most 2,500 steps back
 
 
 def setting(T: int, P: int, batch: int, d_model: int) -> tuple:
   steps = EPOCHS * EXAMPLES // batch
   return (f"data.mqar.train_settings=(({T},{P}),)", f"data.mqar.eval_settings=(({T},{P}),)",
           f"data.batch_size={batch}", f"data.eval_batch_size={min(batch, 500)}", f"train.steps={steps}",
-          f"train.checkpoint_every={steps}") + base.width(d_model, num_heads=1)
+          f"train.checkpoint_every={min(steps, CHECKPOINT_EVERY)}") + base.width(d_model, num_heads=1)
 
 
 # configs/mqar.py's recipe, difference by difference (its attention stayed on the recall plateau; this recipe's
