@@ -34,7 +34,8 @@ after the VJP of that product. Segments need nothing of their own: their masks a
 
 Under a multi-device `jax.jit` each kernel call is a `custom_partitioning` op whose sharding rule keeps the
 sharding of the batch and value-head axes and replicates the rest, so every device runs the same kernel on its
-own rows (XLA cannot split a kernel call itself and would gather the whole batch onto every device).
+own rows (XLA cannot split a kernel call itself and would gather the whole batch onto every device). Under
+`jax.vmap` the mapped axis is folded into the batch (`_batched_rows`).
 
 For bfloat16 callers the arrays the kernels read and write (U0, W, k_end, S_in, U; q_dec, P, O) are bfloat16 and
 each matmul rounds its state-side operand to bfloat16; the state and every accumulation are float32
