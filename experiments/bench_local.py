@@ -180,6 +180,8 @@ def main(argv=None):
   p.add_argument("--block-k", type=int, default=pallas_local.BLOCK_K, help="pallas_local.BLOCK_K")
   p.add_argument("--channel-block-k", type=int, default=pallas_local.CHANNEL_BLOCK_K,
                  help="pallas_local.CHANNEL_BLOCK_K (--decay channel)")
+  p.add_argument("--channel-num-warps", type=int, default=pallas_local.CHANNEL_NUM_WARPS,
+                 help="pallas_local.CHANNEL_NUM_WARPS (--decay channel)")
   p.add_argument("--block-v", type=int, default=pallas_local.BLOCK_V, help="pallas_local.BLOCK_V")
   p.add_argument("--num-warps", type=int, default=pallas_local.NUM_WARPS, help="pallas_local.NUM_WARPS")
   p.add_argument("--num-stages", type=int, default=pallas_local.NUM_STAGES, help="pallas_local.NUM_STAGES")
@@ -188,14 +190,14 @@ def main(argv=None):
   p.add_argument("--bwd-num-warps", type=int, default=pallas_local.BWD_NUM_WARPS, help="pallas_local.BWD_NUM_WARPS")
   a = p.parse_args(argv)
   pallas_local.BLOCK_K, pallas_local.BLOCK_V = a.block_k, a.block_v
-  pallas_local.CHANNEL_BLOCK_K = a.channel_block_k
+  pallas_local.CHANNEL_BLOCK_K, pallas_local.CHANNEL_NUM_WARPS = a.channel_block_k, a.channel_num_warps
   pallas_local.BWD_BLOCK_K, pallas_local.BWD_BLOCK_V = a.bwd_block_k, a.bwd_block_v
   pallas_local.BWD_NUM_WARPS = a.bwd_num_warps
   pallas_local.NUM_WARPS, pallas_local.NUM_STAGES = a.num_warps, a.num_stages
   print(f"# chunk-local stage: XLA vs fused Pallas, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
         f"{a.decay} decay, chunk 64, median of {a.reps}; FUSED_LOCAL default {pallas_chunk.FUSED_LOCAL}, "
         f"FUSED_LOCAL_CHANNEL default {pallas_local.FUSED_LOCAL_CHANNEL}; kernel block_k {a.block_k} (channel "
-        f"{a.channel_block_k}), "
+        f"{a.channel_block_k}, {a.channel_num_warps} warps), "
         f"block_v {a.block_v}, {a.num_warps} warps, {a.num_stages} stages; backward kernel blocks {a.bwd_block_k}, "
         f"{a.bwd_block_v}, {a.bwd_num_warps} warps")
   if a.check_shape:

@@ -80,11 +80,14 @@ BWD_BLOCK_K = 32
 # Per-key-channel decay (KDA, g [L, C, K]) through `_channel_kernel`: False (today) sends it to
 # `intra_chunk.local`, True to the kernel, in forward-only calls (a differentiated call runs XLA's stage and its
 # VJP, as for a per-head decay; the backward kernel takes a per-head decay only). Read at the call. Off until timed
-# on a GPU (`experiments/bench_local.py --decay channel`). CHANNEL_BLOCK_K: its key channels per step, which
-# also set the [SUB, SUB, CHANNEL_BLOCK_K] float32 arrays of its diagonal blocks (32 registers a thread per
-# array at 16 keys and 4 warps, 64 at 32); not yet tuned on the card.
+# on a GPU (`experiments/bench_local.py --decay channel`). CHANNEL_BLOCK_K, its key channels per step (which also
+# size the [SUB, SUB, CHANNEL_BLOCK_K] float32 arrays of its diagonal blocks), and CHANNEL_NUM_WARPS: offline for
+# sm_90 (Triton 3.9, ptxas 13.4, bfloat16, C = 64, K = V = 128) every setting tried takes 255 registers a thread
+# and spills; bytes of spill stores 156 at 32 keys and 8 warps, 380 at 64 and 8, 368 at 32 and 4 (float32: 2036
+# at 32 and 8). Not yet timed on the card.
 FUSED_LOCAL_CHANNEL = False
 CHANNEL_BLOCK_K = 32
+CHANNEL_NUM_WARPS = 8
 BWD_BLOCK_V = 32
 BWD_NUM_WARPS = 8
 
@@ -235,26 +238,26 @@ def _channel_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref
   blk = iota((Cp, BK), 0) // SUB  # a row's sub-chunk
   t3, a3 = iota((SUB, SUB, BK), 0), iota((SUB, SUB, BK), 1)
   A = P = jnp.zeros((Cp, Cp), f32)
-  A_d = P_d = jnp.zeros((Cp, SUB), f32)  # the diagonal blocks, stacked (`_block_diag`)
+  A_d = P_d = zero = jnp.zeros((Cp, SUB), f32)  # the diagonal blocks, stacked (`_block_diag`)
   for j in range(Kp // BK):
     ks = pl.ds(j * BK, BK)
-    q, k, g = (x[:, ks].astype(f32) for x in (q_ref, k_ref, g_ref))
-    qdec_ref[:, ks] = (q * jnp.exp(jax.lax.cumsum(g, axis=0))).astype(qdec_ref.dtype)
     R = to_end = jnp.zeros((Cp, BK), f32)
-    A_dj = P_dj = jnp.zeros((Cp, SUB), f32)  # this key block's share of A_d, P_d
     later = jnp.zeros((BK,), f32)  # sum of the log-decays of the sub-chunks after n
+    # The sub-chunks' rows come from the refs (static slices), and the whole block's after them: fewer arrays
+    # live across this loop (offline for sm_90, bfloat16, 4 warps: 368 bytes of spill stores, not 692).
     for n in reversed(range(M)):
       rs = pl.ds(n * SUB, SUB)
       qn, kn, gn = (x[rs, ks].astype(f32) for x in (q_ref, k_ref, g_ref))
       D = jax.lax.cumsum(jnp.where(t3 > a3, gn[:, None, :], 0.0), axis=0)  # [t, a, k]: sum_{a < j <= t} g_j
       kD = jnp.where(t3 >= a3, jnp.exp(D), 0.0) * kn[None, :, :]
-      A_dj = _in_block(A_dj, jnp.sum(kn[:, None, :] * kD, axis=2), n)
-      P_dj = _in_block(P_dj, jnp.sum(qn[:, None, :] * kD, axis=2), n)
+      A_d = A_d + _in_block(zero, jnp.sum(kn[:, None, :] * kD, axis=2), n)
+      P_d = P_d + _in_block(zero, jnp.sum(qn[:, None, :] * kD, axis=2), n)
       Rn = jnp.sum(jnp.where(t3 == SUB - 1, D, 0.0), axis=0)  # [a, k]: sum_{a < j <= r} g_j
       R = _in_block(R, Rn, n)
       to_end = _in_block(to_end, Rn + later[None, :], n)
       later = later + jnp.sum(gn, axis=0)
-    A_d, P_d = A_d + A_dj, P_d + P_dj
+    q, k, g = (x[:, ks].astype(f32) for x in (q_ref, k_ref, g_ref))
+    qdec_ref[:, ks] = (q * jnp.exp(jax.lax.cumsum(g, axis=0))).astype(qdec_ref.dtype)
     kend_ref[:, ks] = (k * jnp.exp(to_end)).astype(kend_ref.dtype)
     kR = k * jnp.exp(R)
     for m in range(M - 1):
@@ -440,13 +443,14 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 def make_config(prec, interpret: bool, *, block_k: Optional[int] = None, block_v: Optional[int] = None,
                 bwd_kernel: Optional[bool] = None, channel: bool = False) -> Config:
   """A call's settings from the module's (read now): the caller's precision, the forward's blocks (None:
-  BLOCK_K, or CHANNEL_BLOCK_K for a per-key-channel decay, and BLOCK_V), BACKWARD_KERNEL unless `bwd_kernel` is
+  BLOCK_K, or CHANNEL_BLOCK_K for a per-key-channel decay, and BLOCK_V) and warps (NUM_WARPS, CHANNEL_NUM_WARPS
+  for a per-key-channel decay), BACKWARD_KERNEL unless `bwd_kernel` is
   given (never for a per-key-channel decay: the backward kernel takes a per-head one), and the backward's blocks
   and warps."""
   bwd_kernel = bool(BACKWARD_KERNEL if bwd_kernel is None else bwd_kernel) and not channel
   return Config(prec=kernel_precision(prec, interpret), ref_prec=prec,
-                block_k=pow2(block_k or (CHANNEL_BLOCK_K if channel else BLOCK_K)),
-                block_v=pow2(block_v or BLOCK_V), interpret=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+                block_k=pow2(block_k or (CHANNEL_BLOCK_K if channel else BLOCK_K)), block_v=pow2(block_v or BLOCK_V),
+                interpret=interpret, num_warps=CHANNEL_NUM_WARPS if channel else NUM_WARPS, num_stages=NUM_STAGES,
                 bwd_kernel=bwd_kernel,
                 bwd_block_k=pow2(BWD_BLOCK_K), bwd_block_v=pow2(BWD_BLOCK_V), bwd_num_warps=BWD_NUM_WARPS)
 
