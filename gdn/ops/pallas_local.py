@@ -30,7 +30,8 @@ diagonal 16 x 16 sub-chunk blocks take the exact pairwise decay (a [16, 16, BK] 
 others factor it through the end of the earlier sub-chunk into two dots whose exponents are both <= 0, so no
 e^{+x} overflows even at g = -1e4 (total forgetting).
 
-Dots: the inputs' dtype for k k^T and q k^T (bfloat16 operands for bfloat16 callers), float32 operands for the
+Dots: the inputs' dtype for k k^T and q k^T and the per-key-channel kernel's off-diagonal blocks (the keys and
+queries times their decays, rounded to it: bfloat16 operands for bfloat16 callers), float32 operands for the
 inverse and W, U (its entries are float32 values), all accumulated in float32, at `pallas_common.kernel_precision`
 of the caller's precision: one TF32 pass on float32 operands for bfloat16 callers, as XLA's DEFAULT does it, and
 3xTF32 for float32 callers. The elementwise work (decays, forward substitution) is float32.
@@ -82,11 +83,11 @@ BWD_BLOCK_K = 32
 # VJP, as for a per-head decay; the backward kernel takes a per-head decay only). Read at the call. Off until timed
 # on a GPU (`experiments/bench_local.py --decay channel`). CHANNEL_BLOCK_K, its key channels per step (which also
 # size the [SUB, SUB, CHANNEL_BLOCK_K] float32 arrays of its diagonal blocks), and CHANNEL_NUM_WARPS: offline for
-# sm_90 (Triton 3.9, ptxas 13.4, bfloat16, C = 64, K = V = 128) every setting tried takes 255 registers a thread
-# and spills; bytes of spill stores 156 at 32 keys and 8 warps, 380 at 64 and 8, 368 at 32 and 4 (float32: 2036
-# at 32 and 8). Not yet timed on the card.
+# sm_90 (Triton 3.9, ptxas 13.4, bfloat16, C = 64, K = V = 128) 255 registers a thread and no spill at 16 keys
+# and 8 warps; 76 bytes of spill stores at 32 and 8 (float32 callers spill: 1644 bytes at 16 and 8). Not yet
+# timed on the card.
 FUSED_LOCAL_CHANNEL = False
-CHANNEL_BLOCK_K = 32
+CHANNEL_BLOCK_K = 16
 CHANNEL_NUM_WARPS = 8
 BWD_BLOCK_V = 32
 BWD_NUM_WARPS = 8
@@ -228,8 +229,11 @@ def _channel_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref
 
   Every exponent is a sum of the log-decays over its span: gamma_t - gamma_r a cumulative sum of g masked to the
   rows after r, gamma_r - gamma_i (R_i) the last row of D, to_end_i = R_i + the totals of the later sub-chunks.
-  The dots take float32 operands (the inputs times their decays) at the caller's kernel precision, as the XLA
-  stage does."""
+  The off-diagonal dots' operands (the inputs times their float32 decays) are rounded to the inputs' dtype, as
+  the per-head kernel's k k^T and q k^T read the inputs: bfloat16 for bfloat16 callers, which took the spills
+  offline from 156 to 76 bytes at 32 keys and 8 warps and from 36 to none at 16 (XLA's stage multiplies float32
+  operands at TF32; in the interpreter P moved from 2.3e-3 to 3.4e-3 relative to float64 where the bfloat16
+  output rounding alone gives 2.3e-3); accumulation is float32."""
   Cp, Kp = k_ref.shape
   BK, M = cfg.block_k, Cp // SUB
   f32 = jnp.float32
@@ -260,12 +264,13 @@ def _channel_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref
     qdec_ref[:, ks] = (q * jnp.exp(jax.lax.cumsum(g, axis=0))).astype(qdec_ref.dtype)
     kend_ref[:, ks] = (k * jnp.exp(to_end)).astype(kend_ref.dtype)
     kR = k * jnp.exp(R)
+    odt = k_ref.dtype  # the dots' operands: bfloat16 for bfloat16 callers (no spill offline), else float32
     for m in range(M - 1):
       # e^{gamma_t - gamma_r}, r the last row of sub-chunk m, for the rows after it
       fac = jnp.where(blk > m, jnp.exp(jax.lax.cumsum(jnp.where(blk > m, g, 0.0), axis=0)), 0.0)
-      right = jnp.where(blk == m, kR, 0.0)
-      A = A + _dot(k * fac, right, True, cfg.prec)
-      P = P + _dot(q * fac, right, True, cfg.prec)
+      right = jnp.where(blk == m, kR, 0.0).astype(odt)
+      A = A + _dot((k * fac).astype(odt), right, True, cfg.prec)
+      P = P + _dot((q * fac).astype(odt), right, True, cfg.prec)
   p_ref[...] = jnp.where(row >= col, P + _block_diag(P_d), 0.0).astype(p_ref.dtype)
   A = jnp.where(row > col, A + _block_diag(A_d), 0.0)
   _write_wu(A, b_ref[...].astype(f32), lambda ks: jnp.exp(jax.lax.cumsum(g_ref[:, ks].astype(f32), axis=0)),
