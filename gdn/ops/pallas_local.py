@@ -78,6 +78,8 @@ NUM_STAGES = 1
 # warps, 836 at 32 and 4 warps, 1104 at 64 and 4 warps. Not yet timed on the card.
 BACKWARD_KERNEL = False
 BWD_BLOCK_K = 32
+BWD_BLOCK_V = 32
+BWD_NUM_WARPS = 8
 # Per-key-channel decay (KDA, g [L, C, K]) through `_channel_kernel`: False (today) sends it to
 # `intra_chunk.local`, True to the kernel, in forward-only calls (a differentiated call runs XLA's stage and its
 # VJP, as for a per-head decay; the backward kernel takes a per-head decay only). Read at the call. Off until timed
@@ -89,8 +91,6 @@ BWD_BLOCK_K = 32
 FUSED_LOCAL_CHANNEL = False
 CHANNEL_BLOCK_K = 16
 CHANNEL_NUM_WARPS = 8
-BWD_BLOCK_V = 32
-BWD_NUM_WARPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
