@@ -5,16 +5,21 @@
 (b) time: median ms of the chunk-local stage (forward; backward alone: XLA's VJP from saved residuals vs the
     backward kernel) and of the whole op (forward, forward+backward) per shape, with FUSED_LOCAL off / on and
     with both FUSED_LOCAL and `pallas_local.BACKWARD_KERNEL` on ("bwd kernel").
-Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head decay and beta; a failing variant prints its error's
-last line and the rest go on.
+Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head beta, and per-head decay (`--decay head`, Gated
+DeltaNet) or per-key-channel decay (`--decay channel`, KDA: the kernel is `pallas_local._channel_kernel`, switched
+on here with `pallas_local.FUSED_LOCAL_CHANNEL` for the stage and for the op's "on" columns; the backward kernel
+takes a per-head decay only, so its columns stay empty); a failing variant prints its error's last line and the
+rest go on.
 
   python -m experiments.bench_local                       # the five issue-13 shapes, bfloat16
+  python -m experiments.bench_local --decay channel --shapes 4,2048,16,128 2,16384,16,128 1,8192,96,128
   python -m experiments.bench_local --shapes 1,512,2,64 --check-shape 1,512,2,64 --reps 2   # a quick run
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import traceback
 
 import jax
@@ -28,10 +33,11 @@ from gdn.ops import checks, chunk, gated_delta_rule, intra_chunk, pallas_chunk, 
 FIELDS = ("q_dec", "k_end", "decay", "P", "W", "U")
 
 
-def chunk_args(shape, dtype, chunk_size=64):
+def chunk_args(shape, dtype, decay, chunk_size=64):
   """The flat per-chunk inputs [L, C, ...] that `chunk.prepare` hands to the chunk-local stage (q scaled, in the
-  operand dtype; g, beta float32), built from the op benchmark's inputs, and the caller's precision."""
-  args, _ = inputs(shape, dtype)
+  operand dtype; g, beta float32), built from the op benchmark's inputs with g per head or per key channel
+  (`decay`), and the caller's precision."""
+  args, _ = inputs(shape, dtype, decay)
   dims = checks.check_sequence(*args, None, None, None, "chunk", chunk_size)
   seen = {}
 
@@ -50,16 +56,39 @@ def fields(loc):
   return tuple(getattr(loc, n) for n in FIELDS)
 
 
-def check(shape):
-  print(f"## accuracy against intra_chunk.local at B, T, H, D = {shape}: max |got - want| / max |want|")
+@contextlib.contextmanager
+def switches(fused: bool, backward_kernel: bool = False):
+  """FUSED_LOCAL, FUSED_LOCAL_CHANNEL (both `fused`) and BACKWARD_KERNEL set while a function is traced (they are
+  read at trace time), restored after."""
+  names = ((pallas_chunk, "FUSED_LOCAL"), (pallas_local, "FUSED_LOCAL_CHANNEL"), (pallas_local, "BACKWARD_KERNEL"))
+  old = [getattr(m, n) for m, n in names]
+  for (m, n), value in zip(names, (fused, fused, backward_kernel)):
+    setattr(m, n, value)
+  try:
+    yield
+  finally:
+    for (m, n), value in zip(names, old):
+      setattr(m, n, value)
+
+
+def kernel_local(*a, **kw):
+  """`pallas_local.local` through its kernel (the switches on; an error if the variant would fall back to XLA)."""
+  with switches(True):
+    assert pallas_local.supports(a[3], a[4], a[5], kw["beta_kind"], jnp.result_type(*a[:3])), "falls back to XLA"
+    return pallas_local.local(*a, **kw)
+
+
+def check(shape, decay):
+  print(f"## accuracy against intra_chunk.local at B, T, H, D = {shape}, {decay} decay: max |got - want| / max "
+        "|want|")
   print("| dtype | " + " | ".join(FIELDS) + " |")
   print("|---|" + "---|" * len(FIELDS))
   for dtype in (jnp.float32, jnp.bfloat16):
     try:
-      x, prec = chunk_args(shape, dtype)
+      x, prec = chunk_args(shape, dtype, decay)
       kw = dict(beta_kind="head", prec=prec)
       want = jax.jit(lambda *a: fields(intra_chunk.local(*a, None, **kw)))(*x)
-      got = jax.jit(lambda *a: fields(pallas_local.local(*a, None, **kw)))(*x)
+      got = jax.jit(lambda *a: fields(kernel_local(*a, None, **kw)))(*x)
       errs = []
       for a, b in zip(got, want):
         a, b = np.asarray(a.astype(jnp.float32), np.float64), np.asarray(b.astype(jnp.float32), np.float64)
@@ -75,16 +104,12 @@ def _last_line(e):
 
 
 def op_fn(fused: bool, backward_kernel: bool = False):
-  """`gated_delta_rule(method="pallas")` traced with FUSED_LOCAL and BACKWARD_KERNEL set as asked (read at trace
-  time)."""
+  """`gated_delta_rule(method="pallas")` traced with FUSED_LOCAL, FUSED_LOCAL_CHANNEL and BACKWARD_KERNEL set as
+  asked (`switches`)."""
 
   def f(q, k, v, g, b):
-    old = pallas_chunk.FUSED_LOCAL, pallas_local.BACKWARD_KERNEL
-    pallas_chunk.FUSED_LOCAL, pallas_local.BACKWARD_KERNEL = fused, backward_kernel
-    try:
+    with switches(fused, backward_kernel):
       return gated_delta_rule(q, k, v, g, b, method="pallas", chunk_size=64)[0]
-    finally:
-      pallas_chunk.FUSED_LOCAL, pallas_local.BACKWARD_KERNEL = old
 
   return f
 
@@ -102,8 +127,8 @@ def stage_backward(x, prec):
           "local bwd kernel": (jax.jit(lambda x, cts: pallas_local._backward(cfg, *x, cts)), (tuple(x), cts))}
 
 
-def time_shape(shape, dtype, reps):
-  """{variant: ms or error line}."""
+def time_shape(shape, dtype, decay, reps):
+  """{variant: ms or error line}; the backward kernel's variants only for a per-head decay."""
   row = {}
 
   def run(name, thunk):
@@ -113,19 +138,20 @@ def time_shape(shape, dtype, reps):
       row[name] = f"failed: {_last_line(e)}"
     print(f"  {shape} {name}: {row[name]}", flush=True)
 
-  x, prec = chunk_args(shape, dtype)
+  x, prec = chunk_args(shape, dtype, decay)
   kw = dict(beta_kind="head", prec=prec)
   run("local xla", lambda: timed(jax.jit(lambda *a: fields(intra_chunk.local(*a, None, **kw))), x, reps))
-  run("local pallas", lambda: timed(jax.jit(lambda *a: fields(pallas_local.local(*a, None, **kw))), x, reps))
+  run("local pallas", lambda: timed(jax.jit(lambda *a: fields(kernel_local(*a, None, **kw))), x, reps))
   try:
     for name, (fn, fargs) in stage_backward(x, prec).items():
-      run(name, lambda: timed(fn, fargs, reps))
+      if decay == "head" or name == "local bwd xla":
+        run(name, lambda: timed(fn, fargs, reps))
   except Exception as e:  # report and go on
     row["local bwd xla"] = f"failed: {_last_line(e)}"
     print(f"  {shape} local bwd: {row['local bwd xla']}", flush=True)
-  args, rng = inputs(shape, dtype)
+  args, rng = inputs(shape, dtype, decay)
   do = jnp.asarray(rng.normal(size=args[2].shape), dtype)
-  for fused, bwd_kernel in ((False, False), (True, False), (True, True)):
+  for fused, bwd_kernel in ((False, False), (True, False), (True, True))[:3 if decay == "head" else 2]:
     f = op_fn(fused, bwd_kernel)
 
     def fwd_bwd(*a, f=f):
@@ -146,10 +172,16 @@ COLUMNS = ("local xla", "local pallas", "local bwd xla", "local bwd kernel", "op
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+  p.add_argument("--decay", choices=["head", "channel"], default="head",
+                 help="per-head g (Gated DeltaNet) or per-key-channel g (KDA, `_channel_kernel`)")
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--shapes", nargs="*", help="B,T,H,D each; default: the h200 preset's five")
   p.add_argument("--check-shape", default="4,4096,16,128", help="B,T,H,D of the accuracy check ('' skips it)")
   p.add_argument("--block-k", type=int, default=pallas_local.BLOCK_K, help="pallas_local.BLOCK_K")
+  p.add_argument("--channel-block-k", type=int, default=pallas_local.CHANNEL_BLOCK_K,
+                 help="pallas_local.CHANNEL_BLOCK_K (--decay channel)")
+  p.add_argument("--channel-num-warps", type=int, default=pallas_local.CHANNEL_NUM_WARPS,
+                 help="pallas_local.CHANNEL_NUM_WARPS (--decay channel)")
   p.add_argument("--block-v", type=int, default=pallas_local.BLOCK_V, help="pallas_local.BLOCK_V")
   p.add_argument("--num-warps", type=int, default=pallas_local.NUM_WARPS, help="pallas_local.NUM_WARPS")
   p.add_argument("--num-stages", type=int, default=pallas_local.NUM_STAGES, help="pallas_local.NUM_STAGES")
@@ -158,21 +190,24 @@ def main(argv=None):
   p.add_argument("--bwd-num-warps", type=int, default=pallas_local.BWD_NUM_WARPS, help="pallas_local.BWD_NUM_WARPS")
   a = p.parse_args(argv)
   pallas_local.BLOCK_K, pallas_local.BLOCK_V = a.block_k, a.block_v
+  pallas_local.CHANNEL_BLOCK_K, pallas_local.CHANNEL_NUM_WARPS = a.channel_block_k, a.channel_num_warps
   pallas_local.BWD_BLOCK_K, pallas_local.BWD_BLOCK_V = a.bwd_block_k, a.bwd_block_v
   pallas_local.BWD_NUM_WARPS = a.bwd_num_warps
   pallas_local.NUM_WARPS, pallas_local.NUM_STAGES = a.num_warps, a.num_stages
   print(f"# chunk-local stage: XLA vs fused Pallas, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-        f"chunk 64, median of {a.reps}; FUSED_LOCAL default {pallas_chunk.FUSED_LOCAL}; kernel block_k {a.block_k}, "
+        f"{a.decay} decay, chunk 64, median of {a.reps}; FUSED_LOCAL default {pallas_chunk.FUSED_LOCAL}, "
+        f"FUSED_LOCAL_CHANNEL default {pallas_local.FUSED_LOCAL_CHANNEL}; kernel block_k {a.block_k} (channel "
+        f"{a.channel_block_k}, {a.channel_num_warps} warps), "
         f"block_v {a.block_v}, {a.num_warps} warps, {a.num_stages} stages; backward kernel blocks {a.bwd_block_k}, "
         f"{a.bwd_block_v}, {a.bwd_num_warps} warps")
   if a.check_shape:
-    check(tuple(map(int, a.check_shape.split(","))))
+    check(tuple(map(int, a.check_shape.split(","))), a.decay)
   shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else PRESETS["h200"]["shapes"]
   dtype = jnp.dtype(a.dtype)
   rows = []
   for shape in shapes:
-    rows.append((shape, time_shape(shape, dtype, a.reps)))
-  print(f"## median ms, {a.dtype}: chunk-local stage forward (XLA, Pallas) and backward alone (XLA VJP, kernel), "
+    rows.append((shape, time_shape(shape, dtype, a.decay, a.reps)))
+  print(f"## median ms, {a.dtype}, {a.decay} decay: chunk-local stage forward (XLA, Pallas) and backward alone (XLA VJP, kernel), "
         "whole op method='pallas' with FUSED_LOCAL off / on / on with BACKWARD_KERNEL")
   print("| B, T, H, D | " + " | ".join(COLUMNS) + " | local speedup | local bwd speedup | fwd+bwd speedup (on, bwd "
         "kernel; over off) |")

@@ -19,18 +19,24 @@ from test_ops import assert_close, bfloat16_inputs, make_inputs, oracle, vjp_inp
 FIELDS = ("q_dec", "k_end", "decay", "P", "W", "U")
 
 
-def chunk_inputs(seed, L, C, K, V, dtype, strong=False):
-  """q (scaled), k (unit rows), v [L, C, ...] in dtype; g, beta [L, C] float32. `strong`: a total forgetting
-  (-1e4) and a strong decay early in each chunk, then decays close to 1, where a difference of cumulative sums
-  would lose the weak ones."""
+def chunk_inputs(seed, L, C, K, V, dtype, strong=False, decay="head"):
+  """q (scaled), k (unit rows), v [L, C, ...] in dtype; g [L, C] (decay "head") or [L, C, K] ("channel"), beta
+  [L, C] float32. `strong`: a total forgetting (-1e4) and a strong decay early in each chunk, then decays close
+  to 1, where a difference of cumulative sums would lose the weak ones; per key channel, the total forgetting
+  in every other channel, and another in a quarter of the channels after the middle of the chunk (a span that
+  crosses sub-chunks)."""
   rng = np.random.default_rng(seed)
   k = rng.normal(size=(L, C, K))
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
   q, v = rng.normal(size=(L, C, K)) * K**-0.5, rng.normal(size=(L, C, V))
-  g = np.log(rng.uniform(0.5, 1.0, (L, C)))
+  G = (L, C) if decay == "head" else (L, C, K)
+  g = np.log(rng.uniform(0.5, 1.0, G))
   if strong:
-    g[:, 1], g[:, 3] = -1e4, -30.0
-    g[:, C // 2:] = np.log(rng.uniform(0.999, 1.0, (L, C - C // 2)))
+    g[:, C // 2:] = np.log(rng.uniform(0.999, 1.0, (L, C - C // 2) + G[2:]))
+    if decay == "head":
+      g[:, 1], g[:, 3] = -1e4, -30.0
+    else:
+      g[:, 1, ::2], g[:, 3], g[:, C // 2 + C // 4, 1::4] = -1e4, -30.0, -1e4
   beta = rng.uniform(0, 2, (L, C))
   return ([jnp.asarray(x, dtype) for x in (q, k, v)] + [jnp.asarray(x, jnp.float32) for x in (g, beta)])
 

@@ -71,9 +71,10 @@ BLOCK_V = 64  # value channels per program: a [128, 64] float32 state is 64 regi
 BF16_OPERANDS = True
 BWD_STAGES_BF16 = 2  # pipeline stages of the backward kernel on bfloat16 operands (float32 ones fit only one)
 # The chunk-local work (`chunk.prepare`) as the fused Pallas kernel of `pallas_local` (per-head decay and beta
-# without segments; other variants stay in XLA) in forward-only calls: True, False, or None = where the Pallas
-# kernels compile (not in the interpreter, whose per-program loop would only slow CPU runs down). On the H200 it
-# took the op's forward from 1.03 to 0.76 ms at (4, 2048, 16, 128) (docs/benchmarks.md).
+# without segments, and per-key-channel decay with `pallas_local.FUSED_LOCAL_CHANNEL`; other variants stay in XLA)
+# in forward-only calls: True, False, or None = where the Pallas kernels compile (not in the interpreter, whose
+# per-program loop would only slow CPU runs down). On the H200 it took the op's forward from 1.03 to 0.76 ms at
+# (4, 2048, 16, 128) (docs/benchmarks.md).
 FUSED_LOCAL: Optional[bool] = None
 # The output O = Q_dec S_in + P U computed inside the forward state-pass kernel (`output_pass`), so that S_in and
 # U are never written, in forward-only calls (differentiated calls run today's program: see `_output_pass_fwd`):

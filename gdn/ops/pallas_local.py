@@ -1,5 +1,6 @@
 """The chunk-local work of the chunkwise gated delta rule (`intra_chunk.local`) as one fused Pallas kernel, for a
-per-head decay and a per-head beta (Gated DeltaNet); everything else goes to the XLA reference.
+per-head decay and a per-head beta (Gated DeltaNet), and with `FUSED_LOCAL_CHANNEL` for a per-key-channel decay
+and a per-head beta (KDA); everything else goes to the XLA reference.
 
 Shapes: L chunks (B * HV * N, one flat axis), C chunk size, K key dim, V value dim; Cp, Kp, Vp the padded C, K,
 V (powers of two, at least 16); BK, BV the key and value channels one step of a program's loops reads; c = 16
@@ -19,9 +20,18 @@ recompute_w_u in one kernel. With g the chunk's log-decays [C] and beta [C]:
   4. W = T Diag(beta) k_dec and U = T Diag(beta) v over K and V blocks; q_dec and k_end on the way.
 
 It returns the fields of `intra_chunk.Local` that the Pallas state pass and `chunk.finish` read (q_dec, k_end,
-decay, P, W, U); k_dec and A are None. decay is computed in XLA (one exp per chunk).
+decay, P, W, U); k_dec and A are None. decay is computed in XLA (one exp per chunk, or per chunk and key channel).
 
-Dots: the inputs' dtype for k k^T and q k^T (bfloat16 operands for bfloat16 callers), float32 operands for the
+Per-key-channel decay (g [C, K]: KDA) has its own kernel, `_channel_kernel`, behind the module switch
+`FUSED_LOCAL_CHANNEL` (default False: `intra_chunk.local` takes that variant, as before; it has not been timed
+on a GPU). Steps 3 and 4 are the same; steps 1 and 2 follow `intra_chunk._pair_channel`: the decay of a pair of
+positions differs per key channel, so A and P are no longer k k^T and q k^T times one [Cp, Cp] decay. The
+diagonal 16 x 16 sub-chunk blocks take the exact pairwise decay (a [16, 16, BK] array per block of keys), the
+others factor it through the end of the earlier sub-chunk into two dots whose exponents are both <= 0, so no
+e^{+x} overflows even at g = -1e4 (total forgetting).
+
+Dots: the inputs' dtype for k k^T and q k^T and the per-key-channel kernel's off-diagonal blocks (the keys and
+queries times their decays, rounded to it: bfloat16 operands for bfloat16 callers), float32 operands for the
 inverse and W, U (its entries are float32 values), all accumulated in float32, at `pallas_common.kernel_precision`
 of the caller's precision: one TF32 pass on float32 operands for bfloat16 callers, as XLA's DEFAULT does it, and
 3xTF32 for float32 callers. The elementwise work (decays, forward substitution) is float32.
@@ -70,6 +80,17 @@ BACKWARD_KERNEL = False
 BWD_BLOCK_K = 32
 BWD_BLOCK_V = 32
 BWD_NUM_WARPS = 8
+# Per-key-channel decay (KDA, g [L, C, K]) through `_channel_kernel`: False (today) sends it to
+# `intra_chunk.local`, True to the kernel, in forward-only calls (a differentiated call runs XLA's stage and its
+# VJP, as for a per-head decay; the backward kernel takes a per-head decay only). Read at the call. Off until timed
+# on a GPU (`experiments/bench_local.py --decay channel`). CHANNEL_BLOCK_K, its key channels per step (which also
+# size the [SUB, SUB, CHANNEL_BLOCK_K] float32 arrays of its diagonal blocks), and CHANNEL_NUM_WARPS: offline for
+# sm_90 (Triton 3.9, ptxas 13.4, bfloat16, C = 64, K = V = 128) 255 registers a thread and no spill at 16 keys
+# and 8 warps; 76 bytes of spill stores at 32 and 8 (float32 callers spill: 1644 bytes at 16 and 8). Not yet
+# timed on the card.
+FUSED_LOCAL_CHANNEL = False
+CHANNEL_BLOCK_K = 16
+CHANNEL_NUM_WARPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +110,10 @@ class Config:
 
 
 def supports(g, beta, masks, beta_kind: str, dtype) -> bool:
-  """Whether the fused kernel takes this variant: per-head decay and beta, no segment masks, 16/32-bit inputs."""
-  return (masks is None and g is not None and g.ndim == 2 and beta_kind == "head" and beta is not None
-          and jnp.dtype(dtype).itemsize <= 4)
+  """Whether the fused kernel takes this variant: per-head decay (per-key-channel decay too with
+  FUSED_LOCAL_CHANNEL, read now) and per-head beta, no segment masks, 16/32-bit inputs."""
+  decay = g is not None and (g.ndim == 2 or (g.ndim == 3 and FUSED_LOCAL_CHANNEL))
+  return masks is None and decay and beta_kind == "head" and beta is not None and jnp.dtype(dtype).itemsize <= 4
 
 
 def _dot(a, b, tb: bool, prec):
@@ -103,6 +125,23 @@ def _dot(a, b, tb: bool, prec):
 def _dot_ta(a, b, prec):
   """a^T @ b, 2-D operands, accumulated in float32."""
   return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+
+
+def _block_diag(stacked):
+  """The block-diagonal [Cp, Cp] whose diagonal SUB x SUB blocks are stacked [Cp, SUB] (row c m + t of it holds
+  row t of block m)."""
+  Cp = stacked.shape[0]
+  M = Cp // SUB
+  iota = lambda axis: jax.lax.broadcasted_iota(jnp.int32, (Cp, M, SUB), axis)
+  return jnp.where(iota(0) // SUB == iota(1), stacked[:, None, :], 0.0).reshape(Cp, Cp)
+
+
+def _in_block(acc, x, n):
+  """acc [Cp, w] with its rows of sub-chunk n replaced by x [SUB, w] (x tiled over the sub-chunks, then picked:
+  values are never sliced or concatenated in Triton)."""
+  Cp, w = acc.shape
+  tiled = jnp.broadcast_to(x[None], (Cp // SUB, SUB, w)).reshape(Cp, w)
+  return jnp.where(jax.lax.broadcasted_iota(jnp.int32, (Cp, w), 0) // SUB == n, tiled, acc)
 
 
 def _invert_unit_lower(bA, prec):
@@ -123,7 +162,7 @@ def _invert_unit_lower(bA, prec):
     new = a + jnp.sum(a[:, :, None] * Ti, axis=1)
     Ti = jnp.where(r3 == r, new[:, None, :], Ti)
   stacked = Ti.reshape(Cp, SUB) + (iota((Cp, SUB), 0) % SUB == iota((Cp, SUB), 1)).astype(jnp.float32)
-  T = jnp.where(own, stacked[:, None, :], 0.0).reshape(Cp, Cp)  # block diagonal [Cp, Cp]
+  T = _block_diag(stacked)
   # Merge pairs of diagonal blocks of size s: the blocks (2p + 1, 2p) of bA are the Y of the docstring.
   row, col = iota((Cp, Cp), 0), iota((Cp, Cp), 1)
   s = SUB
@@ -147,10 +186,8 @@ def _decays(g, Cp):
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref, w_ref, u_ref, *, cfg: Config):
   Cp, Kp = k_ref.shape
-  Vp = v_ref.shape[-1]
   f32 = jnp.float32
   g = g_ref[...].astype(f32)
-  beta = b_ref[...].astype(f32)
   row, col, e_gam, e_end, decay = _decays(g, Cp)
   KK = QK = jnp.zeros((Cp, Cp), f32)
   for j in range(Kp // cfg.block_k):
@@ -162,14 +199,82 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref, w_ref,
     kend_ref[:, ks] = (k.astype(f32) * e_end).astype(kend_ref.dtype)
   p_ref[...] = jnp.where(row >= col, QK * decay, 0.0).astype(p_ref.dtype)
   A = jnp.where(row > col, KK * decay, 0.0)
+  _write_wu(A, b_ref[...].astype(f32), lambda ks: e_gam, k_ref, v_ref, w_ref, u_ref, cfg)
+
+
+def _write_wu(A, beta, e_gam, k_ref, v_ref, w_ref, u_ref, cfg: Config):
+  """Steps 3 and 4: T = (I + Diag(beta) A)^{-1}, then W = T Diag(beta) k_dec and U = T Diag(beta) v over K and
+  V blocks; e_gam(ks) is e^gamma for the key channels ks ([Cp, 1] for a per-head decay)."""
+  Kp, Vp = k_ref.shape[1], v_ref.shape[1]
+  f32 = jnp.float32
   T = _invert_unit_lower(beta[:, None] * A, cfg.prec)
   for j in range(Kp // cfg.block_k):
     ks = pl.ds(j * cfg.block_k, cfg.block_k)
-    rhs = beta[:, None] * (k_ref[:, ks].astype(f32) * e_gam)  # beta k_dec, as intra_chunk forms it
+    rhs = beta[:, None] * (k_ref[:, ks].astype(f32) * e_gam(ks))  # beta k_dec, as intra_chunk forms it
     w_ref[:, ks] = _dot(T, rhs, False, cfg.prec).astype(w_ref.dtype)
   for j in range(Vp // cfg.block_v):
     vs = pl.ds(j * cfg.block_v, cfg.block_v)
     u_ref[:, vs] = _dot(T, beta[:, None] * v_ref[:, vs].astype(f32), False, cfg.prec).astype(u_ref.dtype)
+
+
+def _channel_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref, w_ref, u_ref, *, cfg: Config):
+  """`_kernel` for a per-key-channel decay g [Cp, Kp] (KDA), with `intra_chunk._pair_channel`'s factoring of
+  the pairwise decay e^{gamma_t - gamma_i} (a [Cp, Cp, Kp] tensor that is never formed), per block of BK keys:
+
+    diagonal SUB x SUB blocks: the exact D_tak = sum_{a < j <= t} g_jk inside sub-chunk n, a masked cumulative
+      sum over a [SUB, SUB, BK] array, and A_ta = sum_k k_tk k_ak e^{D_tak} (P with q_t) as its reduction;
+    a block (n, m), n > m: through the last position r of sub-chunk m, the dots
+      (k_t e^{gamma_t - gamma_r}) (k_i e^{gamma_r - gamma_i})^T over the rows t after sub-chunk m and the columns
+      i in it, both exponents <= 0, so no e^{+x} overflows whatever the decays (g = -1e4 included).
+
+  Every exponent is a sum of the log-decays over its span: gamma_t - gamma_r a cumulative sum of g masked to the
+  rows after r, gamma_r - gamma_i (R_i) the last row of D, to_end_i = R_i + the totals of the later sub-chunks.
+  The off-diagonal dots' operands (the inputs times their float32 decays) are rounded to the inputs' dtype, as
+  the per-head kernel's k k^T and q k^T read the inputs: bfloat16 for bfloat16 callers, which took the spills
+  offline from 156 to 76 bytes at 32 keys and 8 warps and from 36 to none at 16 (XLA's stage multiplies float32
+  operands at TF32; in the interpreter P moved from 2.3e-3 to 3.4e-3 relative to float64 where the bfloat16
+  output rounding alone gives 2.3e-3); accumulation is float32."""
+  Cp, Kp = k_ref.shape
+  BK, M = cfg.block_k, Cp // SUB
+  f32 = jnp.float32
+  iota = lambda shape, axis: jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+  row, col = iota((Cp, Cp), 0), iota((Cp, Cp), 1)
+  blk = iota((Cp, BK), 0) // SUB  # a row's sub-chunk
+  t3, a3 = iota((SUB, SUB, BK), 0), iota((SUB, SUB, BK), 1)
+  A = P = jnp.zeros((Cp, Cp), f32)
+  A_d = P_d = zero = jnp.zeros((Cp, SUB), f32)  # the diagonal blocks, stacked (`_block_diag`)
+  for j in range(Kp // BK):
+    ks = pl.ds(j * BK, BK)
+    R = to_end = jnp.zeros((Cp, BK), f32)
+    later = jnp.zeros((BK,), f32)  # sum of the log-decays of the sub-chunks after n
+    # The sub-chunks' rows come from the refs (static slices), and the whole block's after them: fewer arrays
+    # live across this loop (offline for sm_90, bfloat16, 4 warps: 368 bytes of spill stores, not 692).
+    for n in reversed(range(M)):
+      rs = pl.ds(n * SUB, SUB)
+      qn, kn, gn = (x[rs, ks].astype(f32) for x in (q_ref, k_ref, g_ref))
+      D = jax.lax.cumsum(jnp.where(t3 > a3, gn[:, None, :], 0.0), axis=0)  # [t, a, k]: sum_{a < j <= t} g_j
+      kD = jnp.where(t3 >= a3, jnp.exp(D), 0.0) * kn[None, :, :]
+      A_d = A_d + _in_block(zero, jnp.sum(kn[:, None, :] * kD, axis=2), n)
+      P_d = P_d + _in_block(zero, jnp.sum(qn[:, None, :] * kD, axis=2), n)
+      Rn = jnp.sum(jnp.where(t3 == SUB - 1, D, 0.0), axis=0)  # [a, k]: sum_{a < j <= r} g_j
+      R = _in_block(R, Rn, n)
+      to_end = _in_block(to_end, Rn + later[None, :], n)
+      later = later + jnp.sum(gn, axis=0)
+    q, k, g = (x[:, ks].astype(f32) for x in (q_ref, k_ref, g_ref))
+    qdec_ref[:, ks] = (q * jnp.exp(jax.lax.cumsum(g, axis=0))).astype(qdec_ref.dtype)
+    kend_ref[:, ks] = (k * jnp.exp(to_end)).astype(kend_ref.dtype)
+    kR = k * jnp.exp(R)
+    odt = k_ref.dtype  # the dots' operands: bfloat16 for bfloat16 callers (no spill offline), else float32
+    for m in range(M - 1):
+      # e^{gamma_t - gamma_r}, r the last row of sub-chunk m, for the rows after it
+      fac = jnp.where(blk > m, jnp.exp(jax.lax.cumsum(jnp.where(blk > m, g, 0.0), axis=0)), 0.0)
+      right = jnp.where(blk == m, kR, 0.0).astype(odt)
+      A = A + _dot((k * fac).astype(odt), right, True, cfg.prec)
+      P = P + _dot((q * fac).astype(odt), right, True, cfg.prec)
+  p_ref[...] = jnp.where(row >= col, P + _block_diag(P_d), 0.0).astype(p_ref.dtype)
+  A = jnp.where(row > col, A + _block_diag(A_d), 0.0)
+  _write_wu(A, b_ref[...].astype(f32), lambda ks: jnp.exp(jax.lax.cumsum(g_ref[:, ks].astype(f32), axis=0)),
+            k_ref, v_ref, w_ref, u_ref, cfg)
 
 
 def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dqd_ref, dke_ref, dp_ref, dw_ref, du_ref,
@@ -261,22 +366,25 @@ def _pad(x, *target):
 
 
 def _forward(cfg: Config, q, k, v, g, beta):
-  """(q_dec, k_end, P, W, U) [L, C, ...] in k's dtype, from q (scaled), k [L, C, K], v [L, C, V], g, beta [L, C]."""
+  """(q_dec, k_end, P, W, U) [L, C, ...] in k's dtype, from q (scaled), k [L, C, K], v [L, C, V], g [L, C] (per
+  head: `_kernel`) or [L, C, K] (per key channel: `_channel_kernel`), beta [L, C]."""
   L, C, K = k.shape
   V = v.shape[-1]
   Cp, Kp, Vp = pow2(C), pow2(K), pow2(V)
   BK, BV = min(cfg.block_k, Kp), min(cfg.block_v, Vp)
   odt = k.dtype
-  ins = [_pad(q, Cp, Kp), _pad(k, Cp, Kp), _pad(v, Cp, Vp), _pad(g, Cp), _pad(beta, Cp)]
+  gs = (Cp, Kp)[:g.ndim - 1]  # g's padded block: [Cp] per head, [Cp, Kp] per key channel
+  ins = [_pad(q, Cp, Kp), _pad(k, Cp, Kp), _pad(v, Cp, Vp), _pad(g, *gs), _pad(beta, Cp)]
   rows = lambda *s: pl.BlockSpec((None,) + s, lambda i: (i,) + (0,) * len(s))
   out = lambda *s: jax.ShapeDtypeStruct((L,) + s, odt)
-  kernel = functools.partial(_kernel, cfg=dataclasses.replace(cfg, block_k=BK, block_v=BV))
+  kernel = functools.partial(_channel_kernel if g.ndim == 3 else _kernel,
+                             cfg=dataclasses.replace(cfg, block_k=BK, block_v=BV))
   res = pl.pallas_call(
       kernel, grid=(L,),
-      in_specs=[rows(Cp, Kp), rows(Cp, Kp), rows(Cp, Vp), rows(Cp), rows(Cp)],
+      in_specs=[rows(Cp, Kp), rows(Cp, Kp), rows(Cp, Vp), rows(*gs), rows(Cp)],
       out_specs=[rows(Cp, Kp), rows(Cp, Kp), rows(Cp, Cp), rows(Cp, Kp), rows(Cp, Vp)],
       out_shape=[out(Cp, Kp), out(Cp, Kp), out(Cp, Cp), out(Cp, Kp), out(Cp, Vp)],
-      interpret=cfg.interpret, name="gdn_chunk_local",
+      interpret=cfg.interpret, name="gdn_chunk_local_channel" if g.ndim == 3 else "gdn_chunk_local",
       compiler_params=pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))(*ins)
   q_dec, k_end, P, W, U = res
   return q_dec[:, :C, :K], k_end[:, :C, :K], P[:, :C, :C], W[:, :C, :K], U[:, :C, :V]
@@ -338,26 +446,33 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def make_config(prec, interpret: bool, *, block_k: Optional[int] = None, block_v: Optional[int] = None,
-                bwd_kernel: Optional[bool] = None) -> Config:
+                bwd_kernel: Optional[bool] = None, channel: bool = False) -> Config:
   """A call's settings from the module's (read now): the caller's precision, the forward's blocks (None:
-  BLOCK_K, BLOCK_V), BACKWARD_KERNEL unless `bwd_kernel` is given, and the backward's blocks and warps."""
-  return Config(prec=kernel_precision(prec, interpret), ref_prec=prec, block_k=pow2(block_k or BLOCK_K),
-                block_v=pow2(block_v or BLOCK_V), interpret=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-                bwd_kernel=bool(BACKWARD_KERNEL if bwd_kernel is None else bwd_kernel),
+  BLOCK_K, or CHANNEL_BLOCK_K for a per-key-channel decay, and BLOCK_V) and warps (NUM_WARPS, CHANNEL_NUM_WARPS
+  for a per-key-channel decay), BACKWARD_KERNEL unless `bwd_kernel` is
+  given (never for a per-key-channel decay: the backward kernel takes a per-head one), and the backward's blocks
+  and warps."""
+  bwd_kernel = bool(BACKWARD_KERNEL if bwd_kernel is None else bwd_kernel) and not channel
+  return Config(prec=kernel_precision(prec, interpret), ref_prec=prec,
+                block_k=pow2(block_k or (CHANNEL_BLOCK_K if channel else BLOCK_K)), block_v=pow2(block_v or BLOCK_V),
+                interpret=interpret, num_warps=CHANNEL_NUM_WARPS if channel else NUM_WARPS, num_stages=NUM_STAGES,
+                bwd_kernel=bwd_kernel,
                 bwd_block_k=pow2(BWD_BLOCK_K), bwd_block_v=pow2(BWD_BLOCK_V), bwd_num_warps=BWD_NUM_WARPS)
 
 
 def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "blocked", block_k: Optional[int] = None,
           block_v: Optional[int] = None, interpret: Optional[bool] = None) -> intra_chunk.Local:
   """`intra_chunk.local`'s signature and results (k_dec and A None) through the fused kernel where `supports`
-  says so, else `intra_chunk.local` itself (segment masks, per-key-channel decay, no decay, no or per-channel
-  beta, float64). q (already scaled), k [L, C, K]; v [L, C, V]; g, beta [L, C]. `solver` reaches only the
-  fallback; block_k, block_v: None for BLOCK_K, BLOCK_V (read at the call, as NUM_WARPS and NUM_STAGES are);
-  interpret: Pallas' interpreter, None: where the default backend is not a GPU."""
+  says so, else `intra_chunk.local` itself (segment masks, per-key-channel decay while FUSED_LOCAL_CHANNEL is
+  off, no decay, no or per-channel beta, float64). q (already scaled), k [L, C, K]; v [L, C, V]; g [L, C] or
+  [L, C, K]; beta [L, C]. `solver` reaches only the fallback; block_k, block_v: None for BLOCK_K (CHANNEL_BLOCK_K
+  for a per-key-channel decay), BLOCK_V (read at the call, as NUM_WARPS and NUM_STAGES are); interpret: Pallas'
+  interpreter, None: where the default backend is not a GPU."""
   if not supports(g, beta, masks, beta_kind, jnp.result_type(q, k, v)):
     return intra_chunk.local(q, k, v, g, beta, masks, beta_kind=beta_kind, prec=prec, solver=solver)
   interpret = default_interpret() if interpret is None else interpret
-  cfg = make_config(prec, interpret, block_k=block_k, block_v=block_v)
+  cfg = make_config(prec, interpret, block_k=block_k, block_v=block_v, channel=g.ndim == 3)
   q_dec, k_end, P, W, U = _fused(cfg, q, k, v, g, beta)
-  decay = jnp.exp(jnp.cumsum(g, axis=1)[..., -1:])  # as intra_chunk: the last inclusive cumulative log-decay
+  # as intra_chunk: the last inclusive cumulative log-decay, [L, 1] per head, [L, K] per key channel
+  decay = jnp.exp(jnp.cumsum(g, axis=1)[:, -1].reshape(g.shape[0], -1))
   return intra_chunk.Local(q_dec=q_dec, k_dec=None, k_end=k_end, decay=decay, P=P, A=None, W=W, U=U)
