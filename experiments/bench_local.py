@@ -6,7 +6,7 @@
     backward kernel) and of the whole op (forward, forward+backward) per shape, with FUSED_LOCAL off / on and
     with both FUSED_LOCAL and `pallas_local.BACKWARD_KERNEL` on ("bwd kernel").
 Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head beta, and per-head decay (`--decay head`, Gated
-DeltaNet) or per-key-channel decay (`--decay channel`, KDA: the kernel is `pallas_local._channel_kernel`, switched
+DeltaNet) or per-key-channel decay (`--decay channel`, KDA: its kernel switched
 on here with `pallas_local.FUSED_LOCAL_CHANNEL` for the stage and for the op's "on" columns; the backward kernel
 takes a per-head decay only, so its columns stay empty); a failing variant prints its error's last line and the
 rest go on.
@@ -118,13 +118,13 @@ def stage_backward(x, prec):
   """{name: (fn, args)}: the stage's backward alone, XLA's VJP of `intra_chunk.local` from residuals saved by a
   separate call, and the backward kernel (which recomputes what it needs from the inputs), for the same random
   cotangents of (q_dec, k_end, P, W, U)."""
-  outs, vjp = jax.jit(lambda *a: jax.vjp(lambda *b: pallas_local._reference(prec, *b), *a))(*x)
+  outs, vjp = jax.jit(lambda *a: jax.vjp(lambda *b: pallas_local.reference(prec, *b), *a))(*x)
   rng = np.random.default_rng(0)
   cts = tuple(jnp.asarray(rng.normal(size=o.shape), o.dtype) for o in outs)
   interpret = pallas_chunk.default_interpret()
   cfg = pallas_local.make_config(prec, interpret, bwd_kernel=True)
   return {"local bwd xla": (jax.jit(lambda vjp, cts: vjp(cts)), (vjp, cts)),
-          "local bwd kernel": (jax.jit(lambda x, cts: pallas_local._backward(cfg, *x, cts)), (tuple(x), cts))}
+          "local bwd kernel": (jax.jit(lambda x, cts: pallas_local.backward_kernel(cfg, *x, cts)), (tuple(x), cts))}
 
 
 def time_shape(shape, dtype, decay, reps):

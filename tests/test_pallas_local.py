@@ -88,13 +88,13 @@ def test_gradients_are_the_xla_references():
 
 def _stage_grads(args, prec, interpret=True, seed=8):
   """(kernel's, reference's) gradients of the stage's five kernel outputs for random cotangents."""
-  outs, vjp = jax.vjp(lambda *a: pallas_local._reference(prec, *a), *args)
+  outs, vjp = jax.vjp(lambda *a: pallas_local.reference(prec, *a), *args)
   rng = np.random.default_rng(seed)
   cts = tuple(jnp.asarray(rng.normal(size=o.shape), o.dtype) for o in outs)
   cfg = pallas_local.Config(prec=pallas_local.kernel_precision(prec, interpret), ref_prec=prec, block_k=64,
                             block_v=64, interpret=interpret, num_warps=4, num_stages=1, bwd_kernel=True,
                             bwd_block_k=16, bwd_block_v=32)
-  got = jax.jit(lambda *a: pallas_local._backward(cfg, *a[:5], a[5:]))(*args, *cts)
+  got = jax.jit(lambda *a: pallas_local.backward_kernel(cfg, *a[:5], a[5:]))(*args, *cts)
   return got, vjp(cts)
 
 

@@ -390,9 +390,10 @@ def _forward(cfg: Config, q, k, v, g, beta):
   return q_dec[:, :C, :K], k_end[:, :C, :K], P[:, :C, :C], W[:, :C, :K], U[:, :C, :V]
 
 
-def _backward(cfg: Config, q, k, v, g, beta, cts):
+def backward_kernel(cfg: Config, q, k, v, g, beta, cts):
   """(dq, dk, dv, dg, dbeta) in the inputs' dtypes from the backward kernel; cts the cotangents of `_forward`'s
-  (q_dec, k_end, P, W, U), in k's dtype."""
+  (q_dec, k_end, P, W, U), in k's dtype. Public for benchmarks and tests, which time and check it against the
+  VJP of `reference`."""
   L, C, K = k.shape
   V = v.shape[-1]
   Cp, Kp, Vp = pow2(C), pow2(K), pow2(V)
@@ -415,8 +416,9 @@ def _backward(cfg: Config, q, k, v, g, beta, cts):
   return dq[:, :C, :K], dk[:, :C, :K], dv[:, :C, :V], dg[:, :C], db[:, :C]
 
 
-def _reference(prec, q, k, v, g, beta):
-  """The same five arrays from the XLA reference."""
+def reference(prec, q, k, v, g, beta):
+  """The kernel's five arrays (q_dec, k_end, P, W, U) from the XLA stage, `intra_chunk.local`: what the kernels
+  are checked and timed against."""
   loc = intra_chunk.local(q, k, v, g, beta, None, beta_kind="head", prec=prec)
   return loc.q_dec, loc.k_end, loc.P, loc.W, loc.U
 
@@ -429,7 +431,7 @@ def _fused(cfg: Config, q, k, v, g, beta):
 def _fused_fwd(cfg, q, k, v, g, beta):
   if cfg.bwd_kernel:
     return _forward(cfg, q, k, v, g, beta), (q, k, v, g, beta)
-  out, vjp = jax.vjp(functools.partial(_reference, cfg.ref_prec), q, k, v, g, beta)
+  out, vjp = jax.vjp(functools.partial(reference, cfg.ref_prec), q, k, v, g, beta)
   return out, (vjp, k)
 
 
@@ -437,7 +439,7 @@ def _fused_bwd(cfg, res, cts):
   k = res[1]
   cts = tuple(ct.astype(k.dtype) for ct in cts)  # every output's dtype: a cotangent may come back wider
   if cfg.bwd_kernel:
-    return _backward(cfg, *res, cts)
+    return backward_kernel(cfg, *res, cts)
   vjp, _ = res
   return vjp(cts)
 
