@@ -253,10 +253,13 @@ def _local_bwd(prec, res, ct):
   Every exponent is the forward's (<= 0); dg's sums are direct sums over the spans, never differences.
   The matmuls that were k k^T and q k^T take the inputs' dtype (16-bit operands for 16-bit callers, as the
   forward); those of T, R and dX float32; all accumulate in float32, at `prec`; XLA fuses the elementwise work."""
+  # Tied to the cotangents (as `jax.checkpoint` does it), so that XLA can neither merge the recomputed k k^T, q k^T
+  # and decays with the forward's (which would keep them alive through the state pass) nor hoist them.
+  res, ct = jax.lax.optimization_barrier((res, ct))
   q, k, v, g, beta, masks, T = res
   cdt, odt = T.dtype, k.dtype
   dot = _dot(prec)
-  C, K = k.shape[-2:]
+  C = k.shape[-2]
   incl = jnp.tril(jnp.ones((C, C), bool))
   strict = jnp.tril(jnp.ones((C, C), bool), -1)
   same, carries, reaches_end, unbroken = (None,) * 4 if masks is None else masks
@@ -271,12 +274,11 @@ def _local_bwd(prec, res, ct):
   P = keep(same, dot("...tk,...ik->...ti", q, k) * D)
   k_dec = keep(row(carries), k * e_gam)
   b = beta[..., None]
-  rhs = jnp.concatenate([b * k_dec, b * v], axis=-1)
-  # The solve: X = T R.
-  dX = f(jnp.concatenate([ct.W, ct.U], axis=-1))
-  (dM,) = _invert_unit_lower_bwd(prec, None, T, dot("...tx,...ix->...ti", dX, rhs))
-  dR = dot("...ti,...tx->...ix", T, dX)
-  dRw, dRu = dR[..., :K], dR[..., K:]
+  # The solve: [W, U] = T R, its key and value halves apart (no concatenated [C, K + V] copies).
+  dW, dU = f(ct.W), f(ct.U)
+  dT = dot("...tk,...ik->...ti", dW, b * k_dec) + dot("...tv,...iv->...ti", dU, b * v)
+  (dM,) = _invert_unit_lower_bwd(prec, None, T, dT)
+  dRw, dRu = dot("...ti,...tk->...ik", T, dW), dot("...ti,...tv->...iv", T, dU)
   dbeta = jnp.sum(dM * A, axis=-1) + jnp.sum(dRw * k_dec, axis=-1) + jnp.sum(dRu * v, axis=-1)
   # The pairwise products and decays.
   dA = keep(same, b * dM + jnp.where(strict, f(ct.A), 0.0))
