@@ -251,8 +251,9 @@ def _local_bwd(prec, res, ct):
     dg_j = sum_{t >= j} dgamma_t + sum_{i < j} dto_end_i + dtotal + sum_{t >= j > i} dlogD_ti.
   (`pallas_local._bwd_kernel`'s derivation, with the cotangents of k_dec, A and decay and the segment masks.)
   Every exponent is the forward's (<= 0); dg's sums are direct sums over the spans, never differences.
-  The matmuls that were k k^T and q k^T take the inputs' dtype (16-bit operands for 16-bit callers, as the
-  forward); those of T, R and dX float32; all accumulate in float32, at `prec`; XLA fuses the elementwise work."""
+  The matmuls of k, q, v with a 16-bit operand (k k^T's and q k^T's transposes, and dT from the cotangents of W and
+  U, which are 16-bit and whose products are exact in float32) take the inputs' dtype; those with T float32; all
+  accumulate in float32, at `prec`; XLA fuses the elementwise work."""
   # Tied to the cotangents (as `jax.checkpoint` does it), so that XLA can neither merge the recomputed k k^T, q k^T
   # and decays with the forward's (which would keep them alive through the state pass) nor hoist them.
   res, ct = jax.lax.optimization_barrier((res, ct))
@@ -272,14 +273,16 @@ def _local_bwd(prec, res, ct):
   D = jnp.exp(jnp.where(incl, _segsum(g, 1), -jnp.inf))
   A = keep(same, jnp.where(strict, dot("...tk,...ik->...ti", k, k) * D, 0.0))
   P = keep(same, dot("...tk,...ik->...ti", q, k) * D)
-  k_dec = keep(row(carries), k * e_gam)
+  e_kd = keep(row(carries), e_gam)  # k_dec = k e_kd
   b = beta[..., None]
-  # The solve: [W, U] = T R, its key and value halves apart (no concatenated [C, K + V] copies).
-  dW, dU = f(ct.W), f(ct.U)
-  dT = dot("...tk,...ik->...ti", dW, b * k_dec) + dot("...tv,...iv->...ti", dU, b * v)
+  # The solve, [W, U] = T R: dT = (dW k_dec^T + dU v^T) Diag(beta), from k, v and the cotangents of W, U as they
+  # are (their dtype: 16-bit products are exact in float32), the decays and beta applied to the [C, C] result;
+  # no float32 copy of R is formed, and its key and value halves stay apart.
+  col = lambda x: jnp.swapaxes(x, -1, -2)
+  dT = (dot("...tk,...ik->...ti", ct.W, k) * col(e_kd) + dot("...tv,...iv->...ti", ct.U, v)) * col(b)
   (dM,) = _invert_unit_lower_bwd(prec, None, T, dT)
-  dRw, dRu = dot("...ti,...tk->...ik", T, dW), dot("...ti,...tv->...iv", T, dU)
-  dbeta = jnp.sum(dM * A, axis=-1) + jnp.sum(dRw * k_dec, axis=-1) + jnp.sum(dRu * v, axis=-1)
+  dRw, dRu = dot("...ti,...tk->...ik", T, f(ct.W)), dot("...ti,...tv->...iv", T, f(ct.U))
+  dbeta = (jnp.sum(dM * A, axis=-1) + jnp.sum(dRw * k, axis=-1) * e_kd[..., 0] + jnp.sum(dRu * v, axis=-1))
   # The pairwise products and decays.
   dA = keep(same, b * dM + jnp.where(strict, f(ct.A), 0.0))
   dP = keep(same, f(ct.P))
@@ -293,8 +296,8 @@ def _local_bwd(prec, res, ct):
   dke = keep(row(reaches_end), f(ct.k_end))
   dq = dqd * e_gam + dot("...ti,...ik->...tk", dQK, k)
   dk = (dkd * e_gam + dke * e_end + dot("...ti,...tk->...ik", dQK, q) + dot("...ti,...ik->...tk", dKs, k))
-  dgam = jnp.sum(dqd * q * e_gam, axis=-1) + jnp.sum(dkd * k_dec, axis=-1)
-  dto_end = jnp.sum(dke * k * e_end, axis=-1)
+  dgam = (jnp.sum(dqd * q, axis=-1) + jnp.sum(dkd * k, axis=-1)) * e_gam[..., 0]
+  dto_end = jnp.sum(dke * k, axis=-1) * e_end[..., 0]
   dtotal = keep(unbroken, f(ct.decay)) * jnp.exp(gam[..., -1:])
   dg = _cumsum_rev_incl(dgam, 1) + _cumsum_excl(dto_end, 1) + dtotal + _segsum_vjp(dlogD)
   return (dq.astype(q.dtype), dk.astype(k.dtype), (b * dRu).astype(v.dtype), dg.astype(g.dtype),
