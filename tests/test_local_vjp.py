@@ -71,12 +71,15 @@ def test_vjp_equals_autodiff(monkeypatch, C, K, V, segments, g_min, dtype, prec)
 
 @pytest.mark.parametrize("own", [True, False])
 def test_saves_only_inputs_and_inverse(monkeypatch, own):
-  """With LOCAL_VJP the backward keeps the inputs and the float32 inverse [L, C, C], nothing else: the VJP is the
-  custom one. Autodiff (with the inverse's autodiff too) keeps the intermediates."""
+  """With LOCAL_VJP the stage is a custom_vjp call, and the backward keeps the inputs and the float32 inverse
+  [L, C, C], nothing else. Autodiff (with the inverse's autodiff too) has no custom_vjp call and keeps the
+  intermediates."""
   monkeypatch.setattr(intra_chunk, "LOCAL_VJP", own)
   monkeypatch.setattr(intra_chunk, "INVERSE_VJP", False)
   arrays, masks = local_inputs(0, 3, 32, 16, 16, jnp.bfloat16, segments=True)
   fn = lambda *xs: intra_chunk.local(*xs[:5], xs[5:], beta_kind="head", prec=jax.lax.Precision.DEFAULT)
+  eqns = jax.make_jaxpr(fn)(*arrays, *masks).eqns
+  assert any(e.primitive.name == "custom_vjp_call" for e in eqns) == own
   kept = [r for r in saved_residuals(fn, *arrays, *masks) if r.what != "argument"]  # the masks are arguments
   inverse = [(r.shape, r.dtype) for r in kept] == [((3, 32, 32), "float32")]
   assert inverse == own, [(r.shape, r.dtype, r.what) for r in kept]
