@@ -255,7 +255,8 @@ def _local_bwd(prec, res, ct):
   U, which are 16-bit and whose products are exact in float32) take the inputs' dtype; those with T float32; all
   accumulate in float32, at `prec`; XLA fuses the elementwise work."""
   # Tied to the cotangents (as `jax.checkpoint` does it), so that XLA can neither merge the recomputed k k^T, q k^T
-  # and decays with the forward's (which would keep them alive through the state pass) nor hoist them.
+  # and decays with the forward's (which would keep them alive through the state pass) nor hoist them. XLA:CPU
+  # drops the barrier (docs/benchmarks.md, LOCAL_VJP): there the backward forms no float32 [C, K] copy to hoist.
   res, ct = jax.lax.optimization_barrier((res, ct))
   q, k, v, g, beta, masks, T = res
   cdt, odt = T.dtype, k.dtype
