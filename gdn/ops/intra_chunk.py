@@ -32,6 +32,11 @@ SUB_CHUNK = 16
 # group's forward, so that the float32 [C, C] and [C, K] intermediates and their cotangents exist for one group at
 # a time. The default of `gated_delta_rule(local_groups=None)`, read at the call.
 LOCAL_GROUPS = 1
+# The chunk-local stage's VJP for a per-head decay and a per-head beta (Gated DeltaNet, blocked solver): True, the
+# hand-derived `_local_bwd` (batched matmuls from the inputs and the saved inverse); False, JAX's autodiff of
+# `local`. Read at trace time (`local` reads it, so every caller differentiating `local` follows it: "chunk",
+# "pallas" through `pallas_local`'s reference VJP, `grouped`). Off until timed on a GPU.
+LOCAL_VJP = False
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -138,7 +143,16 @@ def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "block
   g None, [L,C] or [L,C,K]; beta None, [L,C] or [L,C,V];
   masks None or (same [L,C,C], carries [L,C], reaches_end [L,C], unbroken [L,1]).
   solver: "triangular" (`lax.linalg.triangular_solve`) or "blocked" (`invert_unit_lower`, then a matmul).
-  16-bit q, k, v: products accumulate in float32, and the outputs but decay and A come back in their dtype."""
+  16-bit q, k, v: products accumulate in float32, and the outputs but decay and A come back in their dtype.
+  Differentiated, its VJP is autodiff's, or with LOCAL_VJP the hand-derived `_local_bwd` (per-head decay and
+  beta, blocked solver)."""
+  if LOCAL_VJP and g is not None and g.ndim == 2 and beta_kind == "head" and solver == "blocked":
+    return _local_own_vjp(prec, q, k, v, g, beta, masks)
+  return _local(q, k, v, g, beta, masks, beta_kind=beta_kind, prec=prec, solver=solver)[0]
+
+
+def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str):
+  """`local`'s forward: (Local, T), T = (I + Diag(beta) A)^{-1} [L, C, C] from the blocked solver, else None."""
   odt = k.dtype
   dot = _dot(prec)
   C = k.shape[-2]
@@ -171,18 +185,127 @@ def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "block
   out = lambda A, W, U: Local(*(x.astype(odt) for x in (q_dec, k_dec, k_end)), decay, P.astype(odt), A,
                              None if W is None else W.astype(odt), U.astype(odt))
   if beta_kind == "none":
-    return out(None, None, v)
+    return out(None, None, v), None
   A = jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), A, 0.0)
   if beta_kind == "channel":
-    return out(A, None, v)
+    return out(A, None, v), None
   b = beta[..., None]
   rhs = jnp.concatenate([b * k_dec, b * v], axis=-1)
+  T = None
   if solver == "blocked":
-    X = jnp.einsum("...ti,...ix->...tx", invert_unit_lower(b * A, prec), rhs, precision=prec)
+    T = invert_unit_lower(b * A, prec)
+    X = jnp.einsum("...ti,...ix->...tx", T, rhs, precision=prec)
   else:
     X = solve_unit_lower(b * A, rhs)
   K = k.shape[-1]
-  return out(A, X[..., :K], X[..., K:])
+  return out(A, X[..., :K], X[..., K:]), T
+
+
+def _cumsum_excl(x, axis):
+  """sum_{j < t} x_j along `axis`, as a direct sum (no subtraction)."""
+  return jnp.flip(_cumsum_rev_excl(jnp.flip(x, axis), axis), axis)
+
+
+def _cumsum_rev_incl(x, axis):
+  """sum_{j >= t} x_j along `axis`."""
+  return jnp.flip(jnp.cumsum(jnp.flip(x, axis), axis=axis), axis)
+
+
+def _segsum_vjp(dS):
+  """The VJP of `_segsum` over the last two axes: dS [.., t, i] -> dg [.., j] = sum_{t >= j > i} dS_ti, each
+  a direct sum over the pairs whose span holds j (no difference of cumulative sums)."""
+  C = dS.shape[-1]
+  from_j = _cumsum_rev_incl(dS, dS.ndim - 2)  # [.., j, i]: sum_{t >= j} dS_ti
+  return jnp.sum(jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), from_j, 0.0), axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _local_own_vjp(prec, q, k, v, g, beta, masks):
+  """`local` for a per-head decay g [L, C] and a per-head beta [L, C] (blocked solver), with the VJP `_local_bwd`."""
+  return _local(q, k, v, g, beta, masks, beta_kind="head", prec=prec, solver="blocked")[0]
+
+
+def _local_fwd(prec, q, k, v, g, beta, masks):
+  """Saves the inputs (q, k, v in their 16-bit or float32 dtype, g, beta, the boolean masks) and the inverse T
+  [L, C, C] (float32), nothing else: T is the one intermediate that costs more than a matmul to remake (the
+  blocked substitution); the decays (elementwise), A and P (k k^T, q k^T: one [C, C, K] matmul each) are
+  recomputed, which keeps two float32 [L, C, C] and every float32 [L, C, K] intermediate out of memory."""
+  loc, T = _local(q, k, v, g, beta, masks, beta_kind="head", prec=prec, solver="blocked")
+  return loc, (q, k, v, g, beta, masks, T)
+
+
+def _local_bwd(prec, res, ct):
+  """The VJP of `local`'s eight outputs (per-head decay and beta) from the saved inputs and T.
+
+  Forward, per chunk: gamma_t = sum_{j <= t} g_j, to_end_i = sum_{j > i} g_j, D_ti = e^{sum_{i < j <= t} g_j}
+  (i <= t, else 0); A = strictly-lower(k k^T * D), P = q k^T * D, both masked by `same`; q_dec, k_dec = q, k *
+  e^gamma (masked by carries), k_end = k e^to_end (reaches_end), decay = e^{gamma_C} (unbroken); R = [Diag(beta)
+  k_dec, Diag(beta) v], M = I + Diag(beta) A, T = M^{-1}, [W, U] = T R. With dX = [dW, dU]:
+    dT = dX R^T;  dM = -T^T dT T^T (strictly lower: `_invert_unit_lower_bwd`);  dR = T^T dX = [dR_w, dR_u];
+    dA = same * (Diag(beta) dM + strictly-lower(dA_out));  dP = same * dP_out;  dKK = dA D;  dQK = dP D;
+    dbeta = rowsum(dM * A) + rowsum(dR_w * k_dec) + rowsum(dR_u * v);  dv = Diag(beta) dR_u;
+    dk_dec = carries * (dk_dec_out + Diag(beta) dR_w);  dq_dec = carries * dq_dec_out;  dk_end = reaches * dk_end_out;
+    dq = dq_dec e^gamma + dQK k;  dk = dk_dec e^gamma + dk_end e^to_end + dQK^T q + (dKK + dKK^T) k;
+    dgamma = rowsum(dq_dec * q_dec) + rowsum(dk_dec * k_dec);  dto_end = rowsum(dk_end * k_end);
+    dtotal = unbroken * ddecay * e^{gamma_C};  dlogD = dA * A + dP * P (what reaches the pairwise log-decays);
+    dg_j = sum_{t >= j} dgamma_t + sum_{i < j} dto_end_i + dtotal + sum_{t >= j > i} dlogD_ti.
+  (`pallas_local._bwd_kernel`'s derivation, with the cotangents of k_dec, A and decay and the segment masks.)
+  Every exponent is the forward's (<= 0); dg's sums are direct sums over the spans, never differences.
+  The matmuls of k, q, v with a 16-bit operand (k k^T's and q k^T's transposes, and dT from the cotangents of W and
+  U, which are 16-bit and whose products are exact in float32) take the inputs' dtype; those with T float32; all
+  accumulate in float32, at `prec`; XLA fuses the elementwise work."""
+  # Tied to the cotangents (as `jax.checkpoint` does it), so that XLA can neither merge the recomputed k k^T, q k^T
+  # and decays with the forward's (which would keep them alive through the state pass) nor hoist them. XLA:CPU
+  # drops the barrier (docs/benchmarks.md, LOCAL_VJP): there the backward forms no float32 [C, K] copy to hoist.
+  res, ct = jax.lax.optimization_barrier((res, ct))
+  q, k, v, g, beta, masks, T = res
+  cdt, odt = T.dtype, k.dtype
+  dot = _dot(prec)
+  C = k.shape[-2]
+  incl = jnp.tril(jnp.ones((C, C), bool))
+  strict = jnp.tril(jnp.ones((C, C), bool), -1)
+  same, carries, reaches_end, unbroken = (None,) * 4 if masks is None else masks
+  keep = lambda m, x: x if m is None else jnp.where(m, x, 0.0)
+  row = lambda m: None if m is None else m[..., None]
+  f = lambda x: x.astype(cdt)
+  gam = _cumsum_incl(g, 1)
+  e_gam = jnp.exp(gam)[..., None]
+  e_end = jnp.exp(_cumsum_rev_excl(g, 1))[..., None]
+  D = jnp.exp(jnp.where(incl, _segsum(g, 1), -jnp.inf))
+  A = keep(same, jnp.where(strict, dot("...tk,...ik->...ti", k, k) * D, 0.0))
+  P = keep(same, dot("...tk,...ik->...ti", q, k) * D)
+  e_kd = keep(row(carries), e_gam)  # k_dec = k e_kd
+  b = beta[..., None]
+  # The solve, [W, U] = T R: dT = (dW k_dec^T + dU v^T) Diag(beta), from k, v and the cotangents of W, U as they
+  # are (their dtype: 16-bit products are exact in float32), the decays and beta applied to the [C, C] result;
+  # no float32 copy of R is formed, and its key and value halves stay apart.
+  col = lambda x: jnp.swapaxes(x, -1, -2)
+  dT = (dot("...tk,...ik->...ti", ct.W, k) * col(e_kd) + dot("...tv,...iv->...ti", ct.U, v)) * col(b)
+  (dM,) = _invert_unit_lower_bwd(prec, None, T, dT)
+  dRw, dRu = dot("...ti,...tk->...ik", T, f(ct.W)), dot("...ti,...tv->...iv", T, f(ct.U))
+  dbeta = (jnp.sum(dM * A, axis=-1) + jnp.sum(dRw * k, axis=-1) * e_kd[..., 0] + jnp.sum(dRu * v, axis=-1))
+  # The pairwise products and decays.
+  dA = keep(same, b * dM + jnp.where(strict, f(ct.A), 0.0))
+  dP = keep(same, f(ct.P))
+  dKK, dQK = dA * D, dP * D
+  dlogD = dA * A + dP * P
+  dKs = (dKK + jnp.swapaxes(dKK, -1, -2)).astype(odt)
+  dQK = dQK.astype(odt)
+  # The decayed keys and queries.
+  dqd = keep(row(carries), f(ct.q_dec))
+  dkd = keep(row(carries), f(ct.k_dec) + b * dRw)
+  dke = keep(row(reaches_end), f(ct.k_end))
+  dq = dqd * e_gam + dot("...ti,...ik->...tk", dQK, k)
+  dk = (dkd * e_gam + dke * e_end + dot("...ti,...tk->...ik", dQK, q) + dot("...ti,...ik->...tk", dKs, k))
+  dgam = (jnp.sum(dqd * q, axis=-1) + jnp.sum(dkd * k, axis=-1)) * e_gam[..., 0]
+  dto_end = jnp.sum(dke * k, axis=-1) * e_end[..., 0]
+  dtotal = keep(unbroken, f(ct.decay)) * jnp.exp(gam[..., -1:])
+  dg = _cumsum_rev_incl(dgam, 1) + _cumsum_excl(dto_end, 1) + dtotal + _segsum_vjp(dlogD)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), (b * dRu).astype(v.dtype), dg.astype(g.dtype),
+          dbeta.astype(beta.dtype), None)
+
+
+_local_own_vjp.defvjp(_local_fwd, _local_bwd)
 
 
 def solve_unit_lower(L, rhs):
