@@ -6,6 +6,10 @@ chunk only), each row against the default (local_groups 1, OUTPUT_VJP off) of it
   python -m experiments.op_memory                       # op: B 4, T 2048, 2 heads x 128, bf16, C 64; layer: as
                                                         # experiments.layer_residuals (d_model 256, 4 x 1024)
   python -m experiments.op_memory --groups 1,4 --methods pallas --no-layer
+  python -m experiments.op_memory --groups 1 --no-layer --switch intra_chunk.INVERSE_VJP --switch intra_chunk.LOCAL_VJP
+
+--switch MODULE.NAME (repeatable) repeats the tables for every combination of those `gdn.ops` switches off and on
+(each table's title names the setting); the "vs default" ratios are within a table.
 
 Per row: bytes per token of the compiled gradient (arguments + outputs + temporaries, `compiled_bytes`), its
 ratio to the method's default, and the median ms of --reps calls with its ratio (on a shared CPU a hint only).
@@ -14,6 +18,8 @@ ratio to the method's default, and the median ms of --reps calls with its ratio 
 from __future__ import annotations
 
 import argparse
+import importlib
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -79,17 +85,48 @@ def parse_args(argv=None):
   p.add_argument("--d-model", type=int, default=256)
   p.add_argument("--tokens", type=int, default=4096, help="the layer's tokens a batch (B = tokens // length)")
   p.add_argument("--length", type=int, default=1024, help="the layer's T")
+  p.add_argument("--switch", action="append", default=[], metavar="MODULE.NAME",
+                 help="a gdn.ops module switch to run off and on (repeatable: every combination)")
   return p.parse_args(argv)
+
+
+def switch_settings(names):
+  """[(label, {(module, attribute): value})] for every combination of the switches off and on; one unlabelled
+  setting that changes nothing without switches."""
+  targets = []
+  for name in names:
+    module, _, attr = name.partition(".")
+    mod = importlib.import_module(f"gdn.ops.{module}")
+    if not attr or not hasattr(mod, attr):
+      raise SystemExit(f"--switch: gdn.ops.{module} has no setting {attr!r}")
+    targets.append((name, mod, attr))
+  combos = []
+  for values in itertools.product((False, True), repeat=len(targets)):
+    label = ", ".join(f"{n} {'on' if v else 'off'}" for (n, _, _), v in zip(targets, values))
+    combos.append((label, {(mod, attr): v for (_, mod, attr), v in zip(targets, values)}))
+  return combos
 
 
 def main(argv=None):
   a = parse_args(argv)
+  for label, switches in switch_settings(a.switch):
+    before = {key: getattr(*key) for key in switches}
+    for (mod, attr), value in switches.items():
+      setattr(mod, attr, value)
+    try:
+      tables(a, f"; {label}" if label else "")
+    finally:
+      for (mod, attr), value in before.items():
+        setattr(mod, attr, value)
+
+
+def tables(a, suffix: str) -> None:
   B, T, H, D = map(int, a.shape.split(","))
   rows = settings(a.methods.split(","), [int(g) for g in a.groups.split(",")])
   args, _ = inputs((B, T, H, D), jnp.bfloat16)
   make = lambda m, G: op_step(m, G, a.chunk_size)
   table(f"# the op alone, fwd+bwd (gradient w.r.t. q, k, v, g, beta): B {B}, T {T}, {H} heads x {D}, bf16, "
-        f"chunk {a.chunk_size}; jax {jax.__version__}, {jax.default_backend()}",
+        f"chunk {a.chunk_size}; jax {jax.__version__}, {jax.default_backend()}{suffix}",
         run_rows(rows, make, args, (0, 1, 2, 3, 4), a.reps), B * T)
   if a.no_layer:
     return
@@ -107,7 +144,7 @@ def main(argv=None):
     layer_rows += run_rows([row], lambda m, G: loss, (x, steps["params"]), (0, 1), a.reps)
   table(f"# one gated_deltanet layer, fwd+bwd (gradient w.r.t. parameters and input): d_model {a.d_model}, "
         f"{H} heads x {D}, {a.tokens // a.length} x {a.length} tokens, bf16 activations, float32 parameters, "
-        f"chunk 64, remat none", layer_rows, a.tokens)
+        f"chunk 64, remat none{suffix}", layer_rows, a.tokens)
 
 
 if __name__ == "__main__":

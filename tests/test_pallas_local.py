@@ -120,7 +120,7 @@ def test_backward_kernel_bfloat16_equals_vjp():
 def test_backward_switch_runs_the_kernels(monkeypatch):
   """BACKWARD_KERNEL on: the differentiated stage runs the forward and backward kernels (no XLA reference)."""
   monkeypatch.setattr(pallas_local, "BACKWARD_KERNEL", True)
-  monkeypatch.setattr(pallas_local, "_reference", None)  # would fail if called
+  monkeypatch.setattr(pallas_local, "reference", None)  # would fail if called
   args = chunk_inputs(11, 1, 16, 16, 16, jnp.float32)
   f = lambda *a: pallas_local.local(*a, None, beta_kind="head", prec=jax.lax.Precision.HIGHEST).W.sum()
   grads = jax.grad(f, argnums=(0, 1, 2, 3, 4))(*args)
@@ -145,7 +145,7 @@ def _fused_op(monkeypatch, x, chunk_size, backward_kernel=False):
   monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", True)
   monkeypatch.setattr(pallas_local, "BACKWARD_KERNEL", backward_kernel)
   if backward_kernel:
-    monkeypatch.setattr(pallas_local, "_reference", None)  # the stage's XLA forward and VJP must not run
+    monkeypatch.setattr(pallas_local, "reference", None)  # the stage's XLA forward and VJP must not run
   diff, seg, co = vjp_inputs(x)
 
   op = lambda d: ops.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"],
