@@ -51,7 +51,9 @@ def _summary(cfg):
 
 
 def _same_as_alone(tmp_path, cells, *overrides, steps=16, evals=(4, 8, 12, 16)):
-  """Trains `cells` (seed, rate) stacked, then each alone, and compares what they logged and summarised."""
+  """Trains `cells` (seed, rate) stacked, then each alone, and compares what they logged and summarised. No
+  checkpoints (saving them is most of these tiny runs' time; the resume test covers them)."""
+  overrides = ("train.checkpoint_every=0",) + overrides
   stacked.train_stacked([_cfg(tmp_path / "stacked", s, lr, *overrides) for s, lr in cells], log=QUIET)
   for s, lr in cells:
     alone, together = _cfg(tmp_path / "alone", s, lr, *overrides), _cfg(tmp_path / "stacked", s, lr, *overrides)
