@@ -11,6 +11,7 @@ the process's. Rows keep the tokens per batch fixed (B = tokens // T).
   python -m experiments.bench_layer_fla --lengths 8192 --method pallas
   python -m experiments.bench_layer_fla --lengths 8192 --method pallas --remats none,op,layer   # a row each
   python -m experiments.bench_layer_fla --lengths 8192 --method pallas --local-groups 1,4,8      # a row each
+  python -m experiments.bench_layer_fla --lengths 8192 --method pallas --peak 25   # what each side keeps
   python -m experiments.bench_layer_fla --preset cpu --sides gdn          # a CPU smoke run (fla needs CUDA)
 
 fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (a numerics guard); for timing only the
@@ -41,10 +42,16 @@ def gdn_side(a, T: int, remat: str = "none", local_groups: int = 1) -> dict:
 
   loss, params = layer_step(a.d_model, a.heads, a.head_dim, a.method, remat, jnp.bfloat16, local_groups)
   x = jax.random.normal(jax.random.key(1), (a.tokens // T, T, a.d_model), jnp.bfloat16)
-  compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x)
+  compiled = lowered.compile()
   ms = timed(compiled, (params, x), a.reps)
   peak = device_memory_stats().get("peak_bytes_in_use")
-  return dict(ms=ms, peak=peak, estimate=compiled_bytes(compiled))
+  out = dict(ms=ms, peak=peak, estimate=compiled_bytes(compiled))
+  if a.peak:
+    from gdn.bench.peak import grouped, live_at_peak
+    live = live_at_peak(lowered)
+    out["live"] = dict(total=live["total"], rows=grouped(live["buffers"], a.peak))
+  return out
 
 
 def fla_side(a, T: int, remat: str = "none", local_groups: int = 1) -> dict:
@@ -66,7 +73,38 @@ def fla_side(a, T: int, remat: str = "none", local_groups: int = 1) -> dict:
     y.float().sum().backward()
 
   r = time_steps(step, torch.cuda.synchronize, warmup=3, steps=a.reps)
-  return dict(ms=r["step_ms"], peak=torch.cuda.max_memory_allocated())
+  out = dict(ms=r["step_ms"], peak=torch.cuda.max_memory_allocated())
+  if a.peak:
+    def forward():
+      with torch.autocast("cuda", dtype=torch.bfloat16):
+        return layer(x)[0]
+    out["live"] = saved_by_autograd(forward, a.peak)
+  return out
+
+
+def saved_by_autograd(forward, top: int) -> dict:
+  """What PyTorch's autograd keeps for the backward of `forward()` (fla's layer: the counterpart of what is live
+  at the start of gdn's backward): the tensors its saved-tensor hooks see, each view of a storage counted once,
+  grouped by shape and dtype: {"total": bytes, "rows": [(bytes, count, shape, note)]}."""
+  import collections
+  import torch
+
+  seen, acc = set(), collections.defaultdict(lambda: [0, 0])
+
+  def pack(t):
+    key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+    if key not in seen:
+      seen.add(key)
+      group = acc[(str(t.dtype).replace("torch.", ""), tuple(t.shape))]
+      group[0] += t.numel() * t.element_size()
+      group[1] += 1
+    return t
+
+  with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    forward()
+  rows = sorted(((b, n, f"{dt}{list(shape)}", "saved by autograd") for (dt, shape), (b, n) in acc.items()),
+                key=lambda r: -r[0])
+  return dict(total=sum(r[0] for r in rows), rows=rows[:top])
 
 
 SIDES = {"gdn": gdn_side, "fla": fla_side}
@@ -83,6 +121,9 @@ def parse_args(argv=None):
   p.add_argument("--local-groups", default="1",
                  help="comma-separated RecurrentConfig.local_groups values for gdn (one row each per remat)")
   p.add_argument("--sides", nargs="*", default=["gdn", "fla"], choices=sorted(SIDES))
+  p.add_argument("--peak", type=int, default=0, metavar="N",
+                 help="also list the N largest groups of buffers live at gdn's memory peak (XLA's buffer assignment, "
+                      "gdn.bench.peak) and of the tensors fla's autograd keeps for the backward")
   p.add_argument("--worker", nargs=4, metavar=("SIDE", "T", "REMAT", "GROUPS"), help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   return apply_preset(a, PRESETS[a.preset], "lengths")
@@ -124,6 +165,17 @@ def main(argv=None) -> list:
             f"{est} |", flush=True)
       rows.append(dict(T=T, remat=remat, local_groups=groups,
                        **{f"{s}_{k}": v for s, r in (("gdn", g), ("fla", f)) for k, v in r.items()}))
+  for r in rows:
+    for side in ("gdn", "fla"):
+      live = r.get(f"{side}_live")
+      if live and (side == "gdn" or r is rows[0] or r["T"] != rows[rows.index(r) - 1]["T"]):
+        what = ("live at gdn's peak (XLA's buffer assignment)" if side == "gdn"
+                else "kept by fla's autograd for the backward")
+        print(f"\n{what}, T {r['T']}" + (f", remat {r['remat']}, local_groups {r['local_groups']}" if side == "gdn" else "")
+              + f": {live['total'] / 2**20:,.1f} MiB")
+        print("| MiB | buffers | shape | made by |\n|---:|---:|---|---|")
+        for nbytes, count, shape, op in live["rows"]:
+          print(f"| {nbytes / 2**20:,.1f} | {count} | {shape} | {op} |")
   return rows
 
 

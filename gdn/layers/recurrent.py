@@ -149,7 +149,8 @@ class RecurrentMixer(nnx.Module):
     if layout is not None:
       o, conv_state, S = self._decode_fused(self.in_proj.matmul(x[:, 0]), cache, layout)
     else:
-      p = project(self, X_PROJECTIONS, x)
+      with jax.named_scope("projections"):
+        p = project(self, X_PROJECTIONS, x)
       mix = functools.partial(self._mix, B=B, T=T, segment_ids=segment_ids, cache=cache, context_axis=context_axis)
       if cfg.remat == "layer" and cache is None:
         # Only the projections (this function's inputs) are kept; the rest runs again in the backward.
@@ -158,7 +159,8 @@ class RecurrentMixer(nnx.Module):
     o = o.reshape(B, T, cfg.HV * cfg.V).astype(x.dtype)
     # Inference (a cache) never drops out, so decoding needs no rng and a training-mode model decodes too.
     o = self.dropout(o, deterministic=True) if cache is not None else self.dropout(o)
-    y = self.o_proj(o)
+    with jax.named_scope("o_proj"):
+      y = self.o_proj(o)
     return y, (None if cache is None else RecurrentCache(conv_state, S))
 
   def _decode_layout(self, cache, T, segment_ids) -> Optional[pallas_decode.Layout]:
@@ -196,24 +198,27 @@ class RecurrentMixer(nnx.Module):
     q, k, v = p["q_proj"], p["k_proj"], p["v_proj"]
     conv_state = None
     if self.conv is not None:
-      qkv, conv_state = self.conv(jnp.concatenate([q, k, v], axis=-1), segment_ids=segment_ids,
-                                  state=None if cache is None else cache.conv, context_axis=context_axis)
-      q, k, v = jnp.split(jax.nn.silu(qkv), [H * K, 2 * H * K], axis=-1)
+      with jax.named_scope("short_conv"):
+        qkv, conv_state = self.conv(jnp.concatenate([q, k, v], axis=-1), segment_ids=segment_ids,
+                                    state=None if cache is None else cache.conv, context_axis=context_axis)
+        q, k, v = jnp.split(jax.nn.silu(qkv), [H * K, 2 * H * K], axis=-1)
     elif cfg.silu_without_conv:
       q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
     q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
-    if cfg.qk_norm == "l2":
-      q, k = l2norm(q), l2norm(k)
-    # Divided here, as the seed does, so the op runs with scale 1 and the seed preset is reproduced exactly.
-    q = q / math.sqrt(K)
+    with jax.named_scope("qk_norm"):
+      if cfg.qk_norm == "l2":
+        q, k = l2norm(q), l2norm(k)
+      # Divided here, as the seed does, so the op runs with scale 1 and the seed preset is reproduced exactly.
+      q = q / math.sqrt(K)
 
-    g = self._decay(p, B, T)
-    beta = None
-    if cfg.beta != "none":
-      beta = jax.nn.sigmoid(p["b_proj"].astype(jnp.float32))
-      if cfg.allow_neg_eigval:
-        beta = 2.0 * beta
-      beta = beta.reshape((B, T, HV) if cfg.beta == "head" else (B, T, HV, V))
+    with jax.named_scope("gates"):
+      g = self._decay(p, B, T)
+      beta = None
+      if cfg.beta != "none":
+        beta = jax.nn.sigmoid(p["b_proj"].astype(jnp.float32))
+        if cfg.allow_neg_eigval:
+          beta = 2.0 * beta
+        beta = beta.reshape((B, T, HV) if cfg.beta == "head" else (B, T, HV, V))
 
     S0 = None if cache is None else cache.S
     if cache is not None and T == 1:
@@ -234,15 +239,16 @@ class RecurrentMixer(nnx.Module):
         op = jax.checkpoint(op, policy=jax.checkpoint_policies.nothing_saveable)
       o, S = op(q, k, v, g, beta)
 
-    gate = self._output_gate(p)
-    gate = None if gate is None else gate.reshape(B, T, HV, V)
-    if isinstance(self.o_norm, GatedRMSNorm):
-      o = self.o_norm(o, gate)
-    else:
-      if self.o_norm is not None:
-        o = self.o_norm(o)
-      if gate is not None:
-        o = (o.astype(jnp.float32) * ACTIVATIONS[cfg.output_gate](gate.astype(jnp.float32))).astype(o.dtype)
+    with jax.named_scope("out_norm"):
+      gate = self._output_gate(p)
+      gate = None if gate is None else gate.reshape(B, T, HV, V)
+      if isinstance(self.o_norm, GatedRMSNorm):
+        o = self.o_norm(o, gate)
+      else:
+        if self.o_norm is not None:
+          o = self.o_norm(o)
+        if gate is not None:
+          o = (o.astype(jnp.float32) * ACTIVATIONS[cfg.output_gate](gate.astype(jnp.float32))).astype(o.dtype)
     return o, conv_state, S
 
   def _output_gate(self, p):

@@ -34,6 +34,7 @@ def pick_method(dims: checks.Dims, chunk_size: int) -> str:
   return "associative" if dims.B * dims.HV * dims.K * dims.V <= 2**19 else "chunk"
 
 
+@checks.scoped("gated_delta_rule")
 def gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
                      method="auto", chunk_size=64, local_groups=None):
   """The gated delta rule over a sequence. Per value head and time step, exactly:

@@ -42,6 +42,7 @@ def compose(first, then, prec):
   return m, apply(m2, b1, prec) + b2
 
 
+@checks.scoped("state_pass")
 def cumulative_maps(loc: intra_chunk.Local, prec, *, remat_scan: bool = False):
   """(Mc_n, Bc_n): the composition of chunks 0..n, for every n, by an associative scan along N. remat_scan:
   the backward recomputes the scan's intermediates instead of keeping them."""

@@ -6,6 +6,7 @@ Shape legend: B batch, T time, H q/k heads, HV value heads, K key dim, V value d
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -13,6 +14,18 @@ import jax.numpy as jnp
 import numpy as np
 
 METHODS = ("auto", "recurrent", "chunk", "associative", "pallas")
+
+
+def scoped(name: str):
+  """Decorator: run the function under `jax.named_scope(name)`, so that its operations carry the stage's name in
+  XLA's metadata (profiles, `gdn.bench.peak`'s table of what is live at the memory peak). No effect on results."""
+  def wrap(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+      with jax.named_scope(name):
+        return fn(*args, **kwargs)
+    return run
+  return wrap
 
 
 @dataclasses.dataclass(frozen=True)

@@ -113,6 +113,7 @@ def isolate_segments(run):
   return isolated
 
 
+@checks.scoped("chunk_local")
 def prepare(q, k, v, g, beta, *, scale, segment_ids, dims: checks.Dims, chunk_size: int, solver="blocked",
             local=intra_chunk.local, local_groups: int = 1):
   """Pad, chunk and compute the chunk-local quantities with `local` (`intra_chunk.local` or a function of its
@@ -169,6 +170,7 @@ def _n_first(x):
   return None if x is None else jnp.moveaxis(x, 2, 0)
 
 
+@checks.scoped("state_pass")
 def scan_chunks(loc: intra_chunk.Local, beta_c, S0, prec, collect: bool = True):
   """The chunk-to-chunk recurrence as a sequential `lax.scan` from S0 [B, HV, K, V'] (V' may differ from V
   when the caller scans a stacked state). Returns the end state and, with `collect`, the entering states
@@ -248,6 +250,7 @@ def unchunk(o, dims: checks.Dims, C: int):
   return o[:, :dims.T]
 
 
+@checks.scoped("output")
 def finish(loc, S_in, U, prec, dims: checks.Dims, C: int):
   """o = Q_dec S_in + P U, back to [B, T, HV, V]."""
   return unchunk(chunk_outputs(loc.q_dec, loc.P, S_in, U, prec), dims, C)

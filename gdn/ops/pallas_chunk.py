@@ -559,6 +559,7 @@ def _operands(loc: intra_chunk.Local, S0, prec, block_v: int, interpret: Optiona
   return cfg, args
 
 
+@checks.scoped("state_pass")
 def state_pass(loc: intra_chunk.Local, S0, prec, *, beta=None, block_v: int = BLOCK_V,
                interpret: Optional[bool] = None):
   """The chunk-to-chunk recurrence of `chunk.scan_chunks` as a Pallas kernel.
@@ -579,6 +580,7 @@ def state_pass(loc: intra_chunk.Local, S0, prec, *, beta=None, block_v: int = BL
   return S_T[..., :K, :V], S_in[..., :K, :V], U[..., :C, :V]
 
 
+@checks.scoped("state_pass_output")
 def output_pass(loc: intra_chunk.Local, S0, prec, *, beta=None, out_dtype=jnp.float32, block_v: int = BLOCK_V,
                 interpret: Optional[bool] = None):
   """`state_pass` with the output inside the kernel (FUSED_OUTPUT): O = Q_dec S_in + P U per chunk, what

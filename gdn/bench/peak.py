@@ -1,0 +1,133 @@
+"""What is live at a compiled program's memory peak, read from XLA's own buffer assignment.
+
+XLA plans every buffer of a compiled program ahead of time; its dump of that plan (`xla_dump_to`) names the
+instructions whose buffers are live at the peak. `live_at_peak` compiles a lowered program once more with the dump
+switched on (for this compilation only, through its compiler options), reads the dump and returns those buffers
+with their shape and the JAX operation that made them (the `op_name` of the instruction, e.g.
+`jit(loss)/transpose(jvp(RecurrentMixer))/dot_general`), largest first. It works on every backend that dumps a
+live range (CPU and GPU). The live ranges are XLA's logical ones: an in-place result (an output written over its
+operand's memory) counts beside that operand, so the sum can exceed `timing.compiled_bytes`' total somewhat; it
+says which buffers make the peak, the allocator's own figure says how high it is.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+import tempfile
+
+_LIVE_LINE = re.compile(r"^\s+(\S+?)(\{[^}]*\})?: (\d+) bytes")
+_VALUE_LINE = re.compile(r"value: <\d+ (\S+) @(\S+)> \(size=(\d+),offset=\d+\): (\S+)")
+_OP_NAME = re.compile(r"op_name=\"([^\"]*)\"")
+
+
+def _one(pattern: str) -> str:
+  files = sorted(glob.glob(pattern))
+  if not files:
+    raise RuntimeError(f"XLA wrote no file matching {os.path.basename(pattern)}: this backend dumps no live range")
+  return max(files, key=os.path.getsize)  # the program itself, not a helper module compiled alongside it
+
+
+def _parse_peak(text: str) -> tuple[int, list[tuple[str, str, int]]]:
+  """(schedule position, [(instruction, tuple index, bytes)]) of the 'Live ranges at N (peak)' section."""
+  lines = text.splitlines()
+  for i, line in enumerate(lines):
+    m = re.match(r"\s*Live ranges at (\d+) \(peak\):", line)
+    if m:
+      rows = []
+      for row in lines[i + 1:]:
+        r = _LIVE_LINE.match(row)
+        if not r:
+          break
+        rows.append((r.group(1), (r.group(2) or "{}").strip("{}"), int(r.group(3))))
+      return int(m.group(1)), rows
+  raise RuntimeError("the live-range dump has no peak section")
+
+
+def _instructions(hlo: str) -> dict:
+  """instruction name -> (shape text, op_name) of the optimised module. A fusion (or any caller) without an
+  op_name of its own takes its called computation's: the root's, else the first one inside."""
+  own, calls, comp_names, current = {}, {}, {}, None
+  for line in hlo.splitlines():
+    head = re.match(r"^\s*(?:ENTRY )?%(\S+) .*\{\s*$", line)
+    if head and " = " not in line:
+      current = head.group(1)
+      continue
+    m = re.match(r"^\s*(ROOT )?%(\S+) = (\([^=]*?\)|\S+) ", line)
+    if not m:
+      continue
+    op = _OP_NAME.search(line)
+    op = op.group(1) if op else ""
+    own[m.group(2)] = (m.group(3), op)
+    called = re.search(r"calls=%([\w.\-]+)", line)
+    if called:
+      calls[m.group(2)] = called.group(1)
+    if current and op:
+      names = comp_names.setdefault(current, [])
+      names.insert(0, op) if m.group(1) else names.append(op)
+  out = {}
+  for name, (shape, op) in own.items():
+    if not op and name in calls:
+      op = next(iter(comp_names.get(calls[name], [])), "")
+    out[name] = (shape, op)
+  return out
+
+
+def _value_shapes(assignment: str) -> dict:
+  """(instruction, tuple index) -> shape text, from the buffer assignment's value list."""
+  out = {}
+  for m in _VALUE_LINE.finditer(assignment):
+    index = m.group(2).strip("{}")
+    out[(m.group(1), "" if index == "0" and "{" not in m.group(2) else index)] = m.group(4)
+  return out
+
+
+def live_at_peak(lowered, dump_dir: str | None = None) -> dict:
+  """Compile `lowered` (a `jax.stages.Lowered`) with XLA's dump on and return what is live at its peak:
+  {"total": bytes at the peak, "buffers": [{"name", "bytes", "shape", "op_name"}], largest first}."""
+  with tempfile.TemporaryDirectory() as tmp:
+    where = dump_dir or tmp
+    lowered.compile({"xla_dump_to": where})
+    live = open(_one(os.path.join(where, "*after_optimizations-live-range.txt"))).read()
+    hlo = open(_one(os.path.join(where, "*after_optimizations.txt"))).read()
+    assignment = open(_one(os.path.join(where, "*after_optimizations-buffer-assignment.txt"))).read()
+  _, rows = _parse_peak(live)
+  instrs, shapes = _instructions(hlo), _value_shapes(assignment)
+  buffers = []
+  for name, index, nbytes in rows:
+    shape, op_name = instrs.get(name, ("?", ""))
+    shape = shapes.get((name, index)) or shapes.get((name, "")) or shape
+    buffers.append(dict(name=name + (f"{{{index}}}" if index else ""), bytes=nbytes,
+                        shape=re.sub(r"\{[0-9,]*\}$", "", shape), op_name=op_name))
+  buffers.sort(key=lambda b: -b["bytes"])
+  return dict(total=sum(b["bytes"] for b in buffers), buffers=buffers)
+
+
+def short_op(op_name: str, keep: int = 3) -> str:
+  """The last `keep` parts of a JAX op name, with the transformation wrappers (jvp, transpose, ...) summarised:
+  'bwd' where the operation belongs to the backward (a transpose), 'fwd' otherwise."""
+  side = "bwd" if "transpose(" in op_name else "fwd"
+  parts = [re.sub(r"^(?:\w+\()+|\)+$", "", p) for p in op_name.split("/") if p]
+  return f"{side}: " + "/".join(p for p in parts[-keep:] if p)
+
+
+def grouped(buffers: list, top: int | None = None) -> list:
+  """Buffers summed by (shape, short op name): [(bytes, count, shape, op)], largest first."""
+  acc = collections.defaultdict(lambda: [0, 0])
+  for b in buffers:
+    key = (b["shape"], short_op(b["op_name"]))
+    acc[key][0] += b["bytes"]
+    acc[key][1] += 1
+  rows = sorted(((v[0], v[1], k[0], k[1]) for k, v in acc.items()), key=lambda r: -r[0])
+  return rows[:top] if top else rows
+
+
+def format_peak(peak: dict, per: float = 1.0, unit: str = "bytes", top: int = 20) -> str:
+  """A table of `grouped(peak["buffers"])`, bytes divided by `per` (e.g. tokens, or 2**30 with unit 'GiB')."""
+  lines = [f"live at the peak: {peak['total'] / per:,.2f} {unit} in {len(peak['buffers'])} buffers",
+           f"| {unit} | buffers | shape | made by |", "|---:|---:|---|---|"]
+  for nbytes, count, shape, op in grouped(peak["buffers"], top):
+    lines.append(f"| {nbytes / per:,.2f} | {count} | {shape} | {op} |")
+  return "\n".join(lines)
