@@ -12,6 +12,7 @@ the process's. Rows keep the tokens per batch fixed (B = tokens // T).
   python -m experiments.bench_layer_fla --lengths 8192 --method pallas --remats none,op,layer   # a row each
   python -m experiments.bench_layer_fla --lengths 8192 --method pallas --local-groups 1,4,8      # a row each
   python -m experiments.bench_layer_fla --lengths 8192 --method pallas --peak 25   # what each side keeps
+  python -m experiments.bench_layer_fla --lengths 8192 --method pallas --switch layers.conv.CONV_VJP=off,on
   python -m experiments.bench_layer_fla --preset cpu --sides gdn          # a CPU smoke run (fla needs CUDA)
 
 fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (a numerics guard); for timing only the
@@ -31,6 +32,23 @@ PRESETS = {
     "h200": dict(d_model=2048, heads=16, head_dim=128, tokens=65536, lengths="2048,8192,32768", reps=10),
     "cpu": dict(d_model=64, heads=2, head_dim=16, tokens=256, lengths="128", reps=2),
 }
+
+
+SETTINGS = {"off": False, "on": True, "auto": None}
+
+
+def apply_setting(setting: str) -> None:
+  """Set the module switch `MODULE.NAME=VALUE` (MODULE under gdn, e.g. layers.conv.CONV_VJP=on; VALUE off, on,
+  auto) in this process; '-' sets nothing."""
+  if setting == "-":
+    return
+  import importlib
+  path, value = setting.split("=")
+  module, name = path.rsplit(".", 1)
+  mod = importlib.import_module(f"gdn.{module}")
+  if not hasattr(mod, name) or value not in SETTINGS:
+    raise SystemExit(f"--switch: gdn.{module} has no setting {name!r}, or {value!r} is not one of off, on, auto")
+  setattr(mod, name, SETTINGS[value])
 
 
 def gdn_side(a, T: int, remat: str = "none", local_groups: int = 1) -> dict:
@@ -124,15 +142,18 @@ def parse_args(argv=None):
   p.add_argument("--peak", type=int, default=0, metavar="N",
                  help="also list the N largest groups of buffers live at gdn's memory peak (XLA's buffer assignment, "
                       "gdn.bench.peak) and of the tensors fla's autograd keeps for the backward")
-  p.add_argument("--worker", nargs=4, metavar=("SIDE", "T", "REMAT", "GROUPS"), help=argparse.SUPPRESS)
+  p.add_argument("--switch", metavar="MODULE.NAME=off,on",
+                 help="a module switch under gdn (e.g. layers.conv.CONV_VJP=off,on): one gdn row per setting")
+  p.add_argument("--worker", nargs=5, metavar=("SIDE", "T", "REMAT", "GROUPS", "SETTING"), help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   return apply_preset(a, PRESETS[a.preset], "lengths")
 
 
-def measure(side: str, T: int, remat: str, argv, local_groups: int = 1) -> dict:
-  """One (side, T, gdn remat, gdn local_groups) in a fresh process; its result, or the last line of its error."""
+def measure(side: str, T: int, remat: str, argv, local_groups: int = 1, setting: str = "-") -> dict:
+  """One (side, T, gdn remat, gdn local_groups, gdn switch setting) in a fresh process; its result, or the last
+  line of its error."""
   cmd = [sys.executable, "-m", "experiments.bench_layer_fla", *argv, "--worker", side, str(T), remat,
-         str(local_groups)]
+         str(local_groups), setting]
   p = subprocess.run(cmd, capture_output=True, text=True)
   lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
   if lines:
@@ -144,26 +165,35 @@ def main(argv=None) -> list:
   argv = list(sys.argv[1:] if argv is None else argv)
   a = parse_args(argv)
   if a.worker:
-    side, T, remat, groups = a.worker
+    side, T, remat, groups, setting = a.worker
+    apply_setting(setting)
     print("RESULT " + json.dumps(SIDES[side](a, int(T), remat, int(groups))), flush=True)
     return []
+  settings = ["-"]
+  if a.switch:
+    path, values = a.switch.split("=")
+    settings = [f"{path}={v}" for v in values.split(",")]
+    apply_setting(settings[0])  # fails here, before any worker, if the switch does not exist
   gib = lambda r: f"{r['peak'] / 2**30:.2f}" if r.get("peak") else "-"
   ms = lambda r: f"{r['ms']:.2f}" if "ms" in r else r.get("error", "-")
   print(f"# one Gated DeltaNet layer, fwd+bwd: d_model {a.d_model}, {a.heads} heads x {a.head_dim}, {a.tokens} "
         f"tokens a batch, bfloat16 activations, float32 parameters; gdn method {a.method}; median of {a.reps}")
-  print("| T | B | gdn remat | gdn local_groups | gdn ms | fla ms | gdn / fla | gdn peak GiB | fla peak GiB | "
+  switch = " | gdn switch" if a.switch else ""
+  print(f"| T | B | gdn remat | gdn local_groups{switch} | gdn ms | fla ms | gdn / fla | gdn peak GiB | fla peak GiB | "
         "gdn XLA estimate GiB |")
-  print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+  print("|---:|---:|---|---:|" + ("---|" if a.switch else "") + "---:|---:|---:|---:|---:|---:|")
   rows = []
   for T in a.lengths:
     f = measure("fla", T, "none", argv) if "fla" in a.sides else {}
-    for remat, groups in ((r, int(G)) for r in a.remats.split(",") for G in a.local_groups.split(",")):
-      g = measure("gdn", T, remat, argv, groups) if "gdn" in a.sides else {}
+    for remat, groups, setting in ((r, int(G), S) for r in a.remats.split(",") for G in a.local_groups.split(",")
+                                   for S in settings):
+      g = measure("gdn", T, remat, argv, groups, setting) if "gdn" in a.sides else {}
       ratio = f"{g['ms'] / f['ms']:.2f}x" if "ms" in g and "ms" in f else "-"
       est = f"{g['estimate'] / 2**30:.2f}" if g.get("estimate") else "-"
-      print(f"| {T} | {a.tokens // T} | {remat} | {groups} | {ms(g)} | {ms(f)} | {ratio} | {gib(g)} | {gib(f)} | "
+      cell = f" | {setting.split('.')[-1]}" if a.switch else ""
+      print(f"| {T} | {a.tokens // T} | {remat} | {groups}{cell} | {ms(g)} | {ms(f)} | {ratio} | {gib(g)} | {gib(f)} | "
             f"{est} |", flush=True)
-      rows.append(dict(T=T, remat=remat, local_groups=groups,
+      rows.append(dict(T=T, remat=remat, local_groups=groups, setting=setting,
                        **{f"{s}_{k}": v for s, r in (("gdn", g), ("fla", f)) for k, v in r.items()}))
   for r in rows:
     for side in ("gdn", "fla"):
@@ -171,7 +201,9 @@ def main(argv=None) -> list:
       if live and (side == "gdn" or r is rows[0] or r["T"] != rows[rows.index(r) - 1]["T"]):
         what = ("live at gdn's peak (XLA's buffer assignment)" if side == "gdn"
                 else "kept by fla's autograd for the backward")
-        print(f"\n{what}, T {r['T']}" + (f", remat {r['remat']}, local_groups {r['local_groups']}" if side == "gdn" else "")
+        where = f", remat {r['remat']}, local_groups {r['local_groups']}" + (
+            f", {r['setting']}" if r["setting"] != "-" else "")
+        print(f"\n{what}, T {r['T']}" + (where if side == "gdn" else "")
               + f": {live['total'] / 2**20:,.1f} MiB")
         print("| MiB | buffers | shape | made by |\n|---:|---:|---|---|")
         for nbytes, count, shape, op in live["rows"]:

@@ -5,11 +5,70 @@ Shapes: B batch, T time (this device's slice under context parallelism), C chann
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from gdn.layers.segments import segment_index
+
+# The conv's backward from its own VJP (`causal_conv`): it keeps only the padded input, the weight and the segment
+# mask, and recomputes the taps (and the SiLU's input) in the backward. False: JAX's autodiff of the taps, which
+# keeps every shifted slice of the input and the pre-activation as residuals.
+CONV_VJP = False
+
+
+def _taps(xp, w, b, keep, T: int):
+  """sum_j keep_j * xp[:, j:j+T] * w[j] (+ b), in xp's dtype, as `ShortConv` computes it."""
+  y = jnp.zeros(xp.shape[:1] + (T,) + xp.shape[2:], xp.dtype)
+  for j in range(w.shape[0]):
+    tap = xp[:, j:j + T] * w[j]
+    if keep is not None:
+      tap = jnp.where(keep[..., j, None], tap, 0)
+    y = y + tap
+  return y if b is None else y + b
+
+
+def _activate(y, activation):
+  return jax.nn.silu(y) if activation == "silu" else y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def causal_conv(xp, w, b, keep, T: int, activation=None):
+  """activation(sum_j keep_j * xp[:, j:j+T] * w[j] + b) for the padded input xp [B, T+W-1, C], w [W, C] and b [C]
+  (or None) in xp's dtype; keep: None or bool [B, T, W] (tap j reaches position t). Its VJP keeps xp, w, b and
+  keep only. activation: None or "silu"."""
+  return _activate(_taps(xp, w, b, keep, T), activation)
+
+
+def _conv_fwd(xp, w, b, keep, T, activation):
+  return causal_conv(xp, w, b, keep, T, activation), (xp, w, b, keep)
+
+
+def _conv_bwd(T, activation, res, dy):
+  xp, w, b, keep = res
+  dt, W = xp.dtype, w.shape[0]
+  f32 = jnp.promote_types(jnp.float32, dt)  # float32 arithmetic, float64 for float64 callers
+  if activation == "silu":
+    y = _taps(xp, w, b, keep, T).astype(f32)
+    s = jax.nn.sigmoid(y)
+    dy = dy.astype(f32) * s * (1 + y * (1 - s))
+  dy = dy.astype(dt)  # the pre-activation's cotangent in the inputs' dtype, as autodiff of the taps has it
+  taps = [dy if keep is None else jnp.where(keep[..., j, None], dy, 0) for j in range(W)]
+  # Tap j read xp[:, j:j+T]: its cotangent enters there. Padded shifts summed in one expression (no scatter).
+  dxp = sum(jnp.pad(d * w[j], ((0, 0), (j, W - 1 - j), (0, 0))) for j, d in enumerate(taps))
+  # Per channel, sum over batch and time: a batched dot in the inputs' dtype accumulating in float32 (no float32
+  # copies of the shifted inputs).
+  dw = jnp.stack([jnp.einsum("btc,btc->c", d, xp[:, j:j + T], preferred_element_type=f32)
+                  for j, d in enumerate(taps)])
+  db = None if b is None else jnp.sum(dy.astype(f32), axis=(0, 1)).astype(b.dtype)
+  dkeep = None if keep is None else np.zeros(keep.shape, jax.dtypes.float0)
+  return dxp.astype(dt), dw.astype(w.dtype), db, dkeep
+
+
+causal_conv.defvjp(_conv_fwd, _conv_bwd)
 
 
 class ShortConv(nnx.Module):
@@ -33,9 +92,10 @@ class ShortConv(nnx.Module):
   def init_state(self, batch: int, dtype=None):
     return jnp.zeros((batch, self.size - 1, self.channels), dtype or self.dtype)
 
-  def __call__(self, x, *, segment_ids=None, state=None, context_axis=None):
+  def __call__(self, x, *, segment_ids=None, state=None, context_axis=None, activation=None):
     """x [B, T, C]; segment_ids None or [B, T] (inputs of another segment do not reach a position);
-    state None (zeros) or [B, W-1, C]. Returns (y [B, T, C], new state [B, W-1, C]).
+    state None (zeros) or [B, W-1, C]. Returns (y [B, T, C], new state [B, W-1, C]); activation: None, or
+    "silu" applied to y (inside the conv's own VJP with `CONV_VJP`, so that its input is not kept).
 
     context_axis: None, or the name of a mesh axis over which the sequence is split (inside a `shard_map`):
     x and segment_ids are then this device's slice, and the last W-1 inputs of the previous device's slice
@@ -69,14 +129,14 @@ class ShortConv(nnx.Module):
         # first device the prefix inputs are zeros, so whatever segment they are given adds nothing.
         sp = segment_index(jnp.concatenate([seg_before, segment_ids], axis=1))
       seg = sp[:, W - 1:]
-    y = jnp.zeros_like(x)
-    for j in range(W):
-      tap = xp[:, j:j + T] * w[j]
-      if segment_ids is not None:
-        tap = jnp.where((sp[:, j:j + T] == seg)[..., None], tap, 0)
-      y = y + tap
-    if self.bias is not None:
-      y = y + self.bias[...].astype(x.dtype)
+    keep = None if segment_ids is None else jnp.stack([sp[:, j:j + T] == seg for j in range(W)], axis=-1)
+    b = None if self.bias is None else self.bias[...].astype(x.dtype)
+    if activation not in (None, "silu"):
+      raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+    if CONV_VJP:
+      y = causal_conv(xp, w, b, keep, T, activation)
+    else:
+      y = _activate(_taps(xp, w, b, keep, T), activation)
     return y, xp[:, T:]
 
 
