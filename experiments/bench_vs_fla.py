@@ -139,7 +139,23 @@ def fla_side(variant, args, do, kw, device="cuda"):
   return fwd, fwd_bwd, lambda _: sync()
 
 
-def measure(variant, shape, dtype, g_dtype, reps, torch=None, safe_gate=False) -> dict:
+def profiles(sides, args, do, steps: int) -> dict:
+  """Per side, where the forward+backward call's device time goes (gdn.bench.profile): gdn's per kernel and per
+  named stage, fla's per kernel."""
+  from gdn.bench.profile import jax_kernel_times, torch_kernel_times
+
+  out = {}
+  for name, side in sides.items():
+    step = lambda side=side: side[2](side[1]())
+    if name == "gdn":
+      hlo = jax.jit(vjp_of(make_fn("pallas", None))).lower(do, *args).compile().as_text()
+      out[name] = jax_kernel_times(step, steps, hlo)
+    else:
+      out[name] = torch_kernel_times(step, steps)
+  return out
+
+
+def measure(variant, shape, dtype, g_dtype, reps, torch=None, safe_gate=False, profile: int = 0) -> dict:
   """One row: ms of each side (fla's only with torch given), fla's do_bench ms, and the rel errs. A side that
   fails to build or run is left out (its error in row["<side>_error"]) and the other still timed."""
   args, do = variant_inputs(variant, shape, dtype, g_dtype)
@@ -163,6 +179,8 @@ def measure(variant, shape, dtype, g_dtype, reps, torch=None, safe_gate=False) -
 
     row.update(fla_fwd_do_bench=triton.testing.do_bench(sides["fla"][0], return_mode="median"),
                fla_fb_do_bench=triton.testing.do_bench(sides["fla"][1], return_mode="median"))
+  if profile:
+    row["profiles"] = profiles(sides, args, do, steps=5)
   if len(outs) == 2:
     host = lambda t: t.detach().float().cpu().numpy()
     (o_fla, g_fla), (o_gdn, g_gdn) = outs["fla"], outs["gdn"]
@@ -196,6 +214,9 @@ def main(argv=None) -> list:
   p.add_argument("--gdn-only", action="store_true", help="skip fla (also skipped without torch, CUDA or fla)")
   p.add_argument("--fla-safe-gate", action="store_true",
                  help="kda: chunk_kda(safe_gate=True, lower_bound=-5), its kernel for gates in [-5, 0)")
+  p.add_argument("--profile", type=int, default=0, metavar="N",
+                 help="after each shape, the N kernels of each side's forward+backward that take the most device "
+                      "time (and gdn's time per named stage), from a profiler trace of 5 calls")
   a = p.parse_args(argv)
   if a.fla_safe_gate and a.variant != "kda":
     p.error("--fla-safe-gate is for --variant kda")
@@ -224,7 +245,8 @@ def main(argv=None) -> list:
   for shape in shapes:
     name = ", ".join(map(str, shape))
     try:
-      r = measure(a.variant, shape, jnp.dtype(a.dtype), jnp.dtype(a.g_dtype), a.reps, torch, a.fla_safe_gate)
+      r = measure(a.variant, shape, jnp.dtype(a.dtype), jnp.dtype(a.g_dtype), a.reps, torch, a.fla_safe_gate,
+                  a.profile)
     except Exception as e:  # report and go on: one failing shape must not hide the others
       print(f"| {name} | failed: {type(e).__name__}: {str(e)[:160]} |", flush=True)
       free(torch)
@@ -239,6 +261,12 @@ def main(argv=None) -> list:
     print(f"| {name} | {ms('fla_fwd')} | {ms('gdn_fwd')} | {ratio('fwd')} | {ms('fla_fb')} | {ms('gdn_fb')} | "
           f"{ratio('fb')} | {err('rel_err')} | {err('grad_rel_err')} | {bench} |", flush=True)
     rows.append(dict(shape=shape, **r))
+  if a.profile:
+    from gdn.bench.profile import format_times
+    for r in rows:
+      for side, prof in r.get("profiles", {}).items():
+        shape = ", ".join(map(str, r["shape"]))
+        print("\n" + format_times(prof, a.profile, title=f"{side}, ({shape}), fwd+bwd: "))
   return rows
 
 

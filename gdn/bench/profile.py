@@ -1,0 +1,119 @@
+"""Where a step's device time goes: per kernel and per named stage, from a profiler trace.
+
+`jax_kernel_times` traces a few calls of a JAX step with `jax.profiler` (its Perfetto trace, written by jax itself,
+no plugin needed), sums the time of every XLA operation the device ran (GPU kernels on a GPU; the CPU's thunks on
+a CPU), and names each by the JAX operation that made it (the `op_name` in the compiled module), so that the
+stages the ops and layers name with `jax.named_scope` (`gated_delta_rule/chunk_local`, `state_pass`, `output`,
+`short_conv`, ...) add up. `torch_kernel_times` does the same for a PyTorch step (fla's), per kernel. On a GPU
+the kernels are the leaves of the trace; on a CPU a loop's thunk and its body's are both counted, so there the
+shares are a hint.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import tempfile
+
+from gdn.bench.peak import _instructions
+
+
+def stage_of(op_name: str, depth: int = 2) -> str:
+  """The first `depth` named scopes of a JAX op name, transformation wrappers removed, prefixed by the side:
+  'bwd: gated_delta_rule/chunk_local' for 'jit(f)/transpose(jvp(gated_delta_rule))/chunk_local/dot_general';
+  '(unnamed)' without an op name."""
+  if not op_name:
+    return "(unnamed)"
+  side = "bwd" if "transpose(" in op_name else "fwd"
+  parts = [re.sub(r"^(?:\w+\()+|\)+$", "", p) for p in op_name.split(";")[0].split("/")]
+  scopes = [p for p in parts[1:-1] if p]  # the first is the jitted function, the last the primitive
+  return f"{side}: " + ("/".join(scopes[:depth]) if scopes else "(no scope)")
+
+
+def _trace_events(log_dir: str) -> list:
+  path = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+  if not path:
+    raise RuntimeError("jax.profiler wrote no Perfetto trace")
+  data = json.load(gzip.open(sorted(path)[-1]))
+  return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def jax_kernel_times(step, steps: int = 5, hlo_text: str | None = None) -> dict:
+  """Trace `steps` calls of `step()` (which runs and blocks on one step; call it once before, to compile) and sum
+  the device time of each operation. hlo_text: the optimised module's text (`compiled.as_text()`), which names
+  each operation's JAX origin. Returns {"steps", "total_us" (per step), "kernels": [(us per step, launches per
+  step, kernel, hlo op, stage)], "stages": [(us per step, stage)]}, largest first."""
+  import jax
+
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+      for _ in range(steps):
+        step()
+    events = _trace_events(tmp)
+  procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  devices = {pid for pid, name in procs.items() if name.startswith("/device:")}
+  ops = _instructions(hlo_text) if hlo_text else {}
+  kernels = collections.defaultdict(lambda: [0.0, 0, "", ""])
+  for e in events:
+    if e.get("ph") != "X":
+      continue
+    args = e.get("args", {})
+    on_device = e["pid"] in devices if devices else "hlo_op" in args  # a CPU runs its thunks on the host
+    if not on_device:
+      continue
+    hlo_op = args.get("hlo_op", "")
+    k = kernels[(e["name"], hlo_op)]
+    k[0] += e.get("dur", 0.0)
+    k[1] += 1
+    k[2] = stage_of(ops.get(hlo_op, ("", ""))[1]) if hlo_op in ops else "(not in the module)"
+  rows = sorted(((v[0] / steps, v[1] / steps, name, hlo_op, v[2]) for (name, hlo_op), v in kernels.items()),
+                key=lambda r: -r[0])
+  stages = collections.defaultdict(float)
+  for us, _, _, _, stage in rows:
+    stages[stage] += us
+  return dict(steps=steps, total_us=sum(r[0] for r in rows), kernels=rows,
+              stages=sorted(((us, s) for s, us in stages.items()), reverse=True))
+
+
+def torch_kernel_times(step, steps: int = 5) -> dict:
+  """The same for a PyTorch `step()` (run once before, for autotuning): device time per kernel (CUDA kernels on a
+  GPU, the CPU's operators on a CPU). Returns {"steps", "total_us", "kernels": [(us per step, calls per step,
+  kernel, "", "")]}."""
+  import torch
+  from torch.profiler import ProfilerActivity, profile
+
+  cuda = torch.cuda.is_available()
+  with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+    for _ in range(steps):
+      step()
+    if cuda:
+      torch.cuda.synchronize()
+  rows = []
+  for ev in prof.key_averages():
+    us = getattr(ev, "self_device_time_total", None) if cuda else ev.self_cpu_time_total
+    if us is None:  # older torch
+      us = ev.self_cuda_time_total
+    if us > 0:
+      rows.append((us / steps, ev.count / steps, ev.key, "", ""))
+  rows.sort(key=lambda r: -r[0])
+  return dict(steps=steps, total_us=sum(r[0] for r in rows), kernels=rows, stages=[])
+
+
+def format_times(prof: dict, top: int = 20, title: str = "") -> str:
+  """Markdown tables: the stages (where named), then the `top` kernels, time per step and share."""
+  total = prof["total_us"] or 1.0
+  lines = [f"{title}device time per step: {prof['total_us'] / 1e3:.3f} ms (mean of {prof['steps']} steps)"]
+  if prof["stages"]:
+    lines += ["| stage | ms | share |", "|---|---:|---:|"]
+    lines += [f"| {s} | {us / 1e3:.3f} | {us / total:.1%} |" for us, s in prof["stages"]]
+    lines.append("")
+  lines += ["| kernel | launches | ms | share | stage |", "|---|---:|---:|---:|---|"]
+  for us, n, name, hlo_op, stage in prof["kernels"][:top]:
+    label = name if not hlo_op or hlo_op == name else f"{name} ({hlo_op})"
+    lines.append(f"| {label[:90]} | {n:g} | {us / 1e3:.3f} | {us / total:.1%} | {stage} |")
+  return "\n".join(lines)
