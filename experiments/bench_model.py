@@ -57,6 +57,10 @@ def parse_args(argv=None):
   p.add_argument("--depths", default="", help="comma-separated layer counts: compile and step time per depth")
   p.add_argument("--layouts", default="scan,unrolled", help="with --depths: scan, unrolled or both")
   p.add_argument("--peak-tflops", type=float, default=None, help="the MFU denominator (default: H200 bf16)")
+  p.add_argument("--profile", type=int, default=0, metavar="N",
+                 help="after the table, each side's N kernels with the most device time per step (gdn's also per "
+                      "named stage: embed, norm, recurrent/..., attention, mlp, head, loss, optimizer), from a "
+                      "profiler trace of --steps steps")
   a = p.parse_args(argv)
   if a.batch < 1 or a.seq_len < 2:
     p.error("--batch must be >= 1 and --seq-len >= 2")
@@ -109,6 +113,10 @@ def run_gdn(cfg, toks, a) -> dict:
   r.update(compile_s=compile_s, xla_bytes=compiled_bytes(compiled),
            peak_bytes=device_memory_stats().get("peak_bytes_in_use"),
            loss=float(held["metrics"]["loss"]))
+  if a.profile:
+    from gdn.bench.profile import jax_kernel_times
+    r["profile"] = jax_kernel_times(lambda: (one(), jax.block_until_ready(held["state"])), a.steps,
+                                    compiled.as_text())
   del held, state, batch, compiled
   gc.collect()
   return r
@@ -179,6 +187,9 @@ def run_fla(cfg, toks, a) -> dict:
   r = time_steps(one, torch.cuda.synchronize, warmup=a.warmup, steps=a.steps)
   r.update(compile_s=r["first_s"], peak_bytes=torch.cuda.max_memory_allocated(), xla_bytes=None,
            loss=float(held["loss"]), patched=patched, params=sum(p.numel() for p in model.parameters()))
+  if a.profile:
+    from gdn.bench.profile import torch_kernel_times
+    r["profile"] = torch_kernel_times(one, a.steps)
   del model, opt, ids, held
   gc.collect()
   torch.cuda.empty_cache()
@@ -267,6 +278,11 @@ def main(argv=None) -> list:
   row(f"gdn {flop['params'] / 1e6:,.1f}M", run_gdn(cfg, toks, a))
   if not run:
     print(f"fla: skipped, {why}")
+  if a.profile:
+    from gdn.bench.profile import format_times
+    for r in out:
+      if "profile" in r:
+        print("\n" + format_times(r["profile"], a.profile, title=f"{r['name'].split()[0]}, one training step: "))
   return out
 
 

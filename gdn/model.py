@@ -65,12 +65,17 @@ class Block(nnx.Module):
 
   def __call__(self, x, *, segment_ids=None, cache=None, context_axis=None, router_stats=None):
     """router_stats: None, or a list to which an MoE MLP appends its routing statistics."""
-    h, cache = self.mixer(self.mixer_norm(x), segment_ids=segment_ids, cache=cache, context_axis=context_axis)
+    with jax.named_scope("norm"):
+      h = self.mixer_norm(x)
+    with jax.named_scope("attention" if isinstance(self.mixer, Attention) else "recurrent"):
+      h, cache = self.mixer(h, segment_ids=segment_ids, cache=cache, context_axis=context_axis)
     x = x + h
     if self.mlp is None:
       return x, cache
-    h = self.mlp_norm(x)
-    return x + (self.mlp(h, router_stats) if isinstance(self.mlp, MoE) else self.mlp(h)), cache
+    with jax.named_scope("norm"):
+      h = self.mlp_norm(x)
+    with jax.named_scope("mlp"):
+      return x + (self.mlp(h, router_stats) if isinstance(self.mlp, MoE) else self.mlp(h)), cache
 
 
 class LanguageModel(nnx.Module):
@@ -134,8 +139,9 @@ class LanguageModel(nnx.Module):
 
   def head(self, x):
     """Final-normed hidden states [..., D] -> float32 logits [..., Vocab] (the tied embedding or lm_head)."""
-    logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-    return logits.astype(jnp.float32)
+    with jax.named_scope("head"):
+      logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+      return logits.astype(jnp.float32)
 
   def __getattr__(self, name):
     # Only reached when normal lookup fails: say why a scanned model has no `blocks`.
@@ -183,7 +189,8 @@ class LanguageModel(nnx.Module):
   def _run(self, tokens, segment_ids, cache, context_axis=None, router_stats=None, head: bool = True):
     """router_stats: None, or a list to which MoE layers append their routing statistics (MoE layers are
     unrolled without remat, which ModelConfig checks, so the statistics never leave a scan or a checkpoint)."""
-    x = self.embed(tokens)
+    with jax.named_scope("embed"):
+      x = self.embed(tokens)
     new_cache = []
     if self.cfg.scan_layers:
       x, c = self._scan(x, segment_ids, None if cache is None else cache[0], context_axis)
@@ -199,7 +206,8 @@ class LanguageModel(nnx.Module):
         if _draws_rng(block, c):
           nnx.update(block, rest)
       new_cache.append(c)
-    x = self.final_norm(x)
+    with jax.named_scope("norm"):
+      x = self.final_norm(x)
     return self.head(x) if head else x, (None if cache is None else tuple(new_cache))
 
   def _scan(self, x, segment_ids, cache, context_axis):

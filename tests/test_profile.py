@@ -54,3 +54,15 @@ def test_bench_vs_fla_profiles_gdn(capsys):
   assert "gdn, (1, 64, 1, 16), fwd+bwd: device time per step" in out
   stages = [s for _, s in rows[0]["profiles"]["gdn"]["stages"]]
   assert any("gated_delta_rule/chunk_local" in s for s in stages), stages
+
+
+def test_bench_model_profiles_the_stages_of_a_training_step(capsys):
+  from experiments import bench_model
+  from tests.test_bench_model import TINY
+  rows = bench_model.main(TINY + ["--override", "model.num_layers=2", "--override", "model.pattern=RA",
+                                  "--override", "model.attention.num_heads=2", "--override",
+                                  "model.attention.head_dim=8", "--profile", "5"])
+  stages = " ".join(s for _, s in rows[0]["profile"]["stages"])
+  for stage in ("fwd: recurrent/gated_delta_rule", "bwd: attention", "fwd: mlp", "loss"):
+    assert stage in stages, stages
+  assert "gdn, one training step: device time per step" in capsys.readouterr().out

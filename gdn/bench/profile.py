@@ -22,15 +22,25 @@ import tempfile
 from gdn.bench.peak import _instructions
 
 
-def stage_of(op_name: str, depth: int = 2) -> str:
-  """The first `depth` named scopes of a JAX op name, transformation wrappers removed, prefixed by the side:
-  'bwd: gated_delta_rule/chunk_local' for 'jit(f)/transpose(jvp(gated_delta_rule))/chunk_local/dot_general';
-  '(unnamed)' without an op name."""
+# Name-stack entries that are control flow or JAX's own helpers, not stages.
+_NOT_STAGES = {"while", "body", "cond", "closed_call", "remat", "checkpoint", "rematted_computation", "pjit",
+               "core_call", "custom_jvp_call", "custom_vjp_call", "shard_map", "vmap", "scan", "branch"}
+
+
+def stage_of(op_name: str, depth: int = 3) -> str:
+  """The first `depth` named scopes of a JAX op name, prefixed by the side: 'bwd: gated_delta_rule/chunk_local'
+  for 'jit(f)/transpose(jvp(gated_delta_rule))/chunk_local/dot_general'. Transformation wrappers, control flow
+  (while, body, ...), einsum specs and private helpers (`_where`) are left out; '(unnamed)' without an op name."""
   if not op_name:
     return "(unnamed)"
   side = "bwd" if "transpose(" in op_name else "fwd"
-  parts = [re.sub(r"^(?:\w+\()+|\)+$", "", p) for p in op_name.split(";")[0].split("/")]
-  scopes = [p for p in parts[1:-1] if p]  # the first is the jitted function, the last the primitive
+  scopes = []
+  for part in op_name.split(";")[0].split("/")[1:-1]:  # the first is the jitted function, the last the primitive
+    *wrappers, name = re.sub(r"\)+$", "", part).split("(")
+    if wrappers and wrappers[-1] == "jit":  # a jitted library function (jax.nn.silu, ...), not a stage
+      continue
+    if name and name not in _NOT_STAGES and "->" not in name and "," not in name and not name.startswith("_"):
+      scopes.append(name)
   return f"{side}: " + ("/".join(scopes[:depth]) if scopes else "(no scope)")
 
 

@@ -82,8 +82,9 @@ def model_stats(model: LanguageModel, batch, loss_chunk: int = 0, return_aux_los
   (loss_chunk 0) or `loss_chunk` positions of every row at a time."""
   out = model.features(batch["inputs"], return_aux_loss=return_aux_loss)
   x = out[0] if return_aux_loss else out
-  stats = _token_stats(model.head(x), batch) if loss_chunk <= 0 else _chunked_token_stats(model, x, batch,
-                                                                                         loss_chunk)
+  with jax.named_scope("loss"):
+    stats = _token_stats(model.head(x), batch) if loss_chunk <= 0 else _chunked_token_stats(model, x, batch,
+                                                                                           loss_chunk)
   return (stats, out[1]) if return_aux_loss else stats
 
 
