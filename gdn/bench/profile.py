@@ -87,7 +87,8 @@ def jax_kernel_times(step, steps: int = 5, hlo_text: str | None = None) -> dict:
   for us, _, _, _, stage in rows:
     stages[stage] += us
   return dict(steps=steps, total_us=sum(r[0] for r in rows), kernels=rows,
-              stages=sorted(((us, s) for s, us in stages.items()), reverse=True))
+              stages=sorted(((us, s) for s, us in stages.items()), reverse=True),
+              source=", ".join(sorted(procs[p] for p in devices)) if devices else "host threads (XLA thunks)")
 
 
 def torch_kernel_times(step, steps: int = 5) -> dict:
@@ -111,13 +112,15 @@ def torch_kernel_times(step, steps: int = 5) -> dict:
     if us > 0:
       rows.append((us / steps, ev.count / steps, ev.key, "", ""))
   rows.sort(key=lambda r: -r[0])
-  return dict(steps=steps, total_us=sum(r[0] for r in rows), kernels=rows, stages=[])
+  return dict(steps=steps, total_us=sum(r[0] for r in rows), kernels=rows, stages=[],
+              source="CUDA kernels" if cuda else "CPU operators")
 
 
 def format_times(prof: dict, top: int = 20, title: str = "") -> str:
   """Markdown tables: the stages (where named), then the `top` kernels, time per step and share."""
   total = prof["total_us"] or 1.0
-  lines = [f"{title}device time per step: {prof['total_us'] / 1e3:.3f} ms (mean of {prof['steps']} steps)"]
+  source = f"; {prof['source']}" if prof.get("source") else ""
+  lines = [f"{title}device time per step: {prof['total_us'] / 1e3:.3f} ms (mean of {prof['steps']} steps{source})"]
   if prof["stages"]:
     lines += ["| stage | ms | share |", "|---|---:|---:|"]
     lines += [f"| {s} | {us / 1e3:.3f} | {us / total:.1%} |" for us, s in prof["stages"]]
