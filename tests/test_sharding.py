@@ -149,7 +149,8 @@ def _child(workdir):
   np.testing.assert_allclose(resumed, losses1[3:], rtol=1e-5)
 
   # The training loop on meshes from its config: FSDP (2 x 4) stopped at step 3 and resumed to step 4 logs the
-  # losses of a plain data-parallel (8 x 1) run straight through.
+  # losses of a plain data-parallel (8 x 1) run straight through (quickstart shrunk to the model above: the mesh
+  # plumbing, not the model's size, is under test).
   import json
   from gdn.train.config_file import resolve
   from gdn.train.loop import train
@@ -158,7 +159,10 @@ def _child(workdir):
     cfg = resolve(os.path.join(ROOT, "configs", "quickstart.py"), [
         f"workdir={os.path.join(workdir, name)}", "train.steps=6", "train.warmup_steps=1", "train.log_every=1",
         "train.eval_every=0", "train.checkpoint_every=1", "train.progress_bar=false", "data.batch_size=8",
-        "data.mqar.eval_examples=8", "model.recurrent.method=recurrent", *overrides])
+        "data.mqar.eval_examples=8", "model.recurrent.method=recurrent", "model.num_layers=2", "model.pattern=RA",
+        "model.d_model=32", "model.recurrent.head_dim=16", "model.attention.head_dim=16", "model.vocab_size=64",
+        "data.mqar.vocab_size=64", "data.mqar.train_settings=((32,4),)", "data.mqar.eval_settings=((32,4),)",
+        *overrides])
     train(cfg, log=lambda *a: None)
     with open(os.path.join(workdir, name, "metrics.jsonl")) as f:
       rows = [json.loads(line) for line in f]
