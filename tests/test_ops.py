@@ -13,9 +13,6 @@ import pytest
 from gdn import ops
 from reference import gated_delta_rule_ref
 
-# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 KINDS = ("none", "head", "channel")
 METHODS = ("recurrent", "chunk", "associative")
 DIFF_ARGS = ("q", "k", "v", "g", "beta", "initial_state")
