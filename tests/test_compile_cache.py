@@ -23,7 +23,8 @@ def test_cache_dir_names():
 
 def test_second_seed_compiles_nothing(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-  env.update(JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  # Fewer optimisations compile faster: the cache's entries, not XLA's fusions, are under test.
+  env.update(JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_DISABLE_MOST_OPTIMIZATIONS="1")
   cache = tmp_path / "runs" / ".jax_cache"
 
   def run(name, *extra):

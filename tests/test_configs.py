@@ -14,6 +14,9 @@ from gdn.train import ConfigError, from_dict
 from gdn.train.config import to_dict
 from gdn.train.config_file import apply_overrides, base_config, load, resolve, split_argv
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
                       if os.path.basename(p) not in ("__init__.py", "base.py"))

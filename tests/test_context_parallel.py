@@ -16,6 +16,9 @@ import pytest
 
 from devices import run_child
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 B, T, H, HV, K, V, C = 2, 141, 1, 2, 8, 6, 16
 # T = 8 * 18 - 3: slices of 18, 36 and 72 steps for D = 8, 4, 2 (each padded at the sequence end, none a
 # multiple of C), so that a reset at step 72 falls on a slice boundary for every D and one at 18 for D = 8.

@@ -15,6 +15,9 @@ import pytest
 
 from devices import run_child
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 VOCAB, C = 64, 16
 TOL = 1e-5
 # (name, mixer preset, pattern, D, data-parallel size, T, segment ids): T = 128 gives slices of 16 steps on 8

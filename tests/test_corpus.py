@@ -9,6 +9,9 @@ import pytest
 
 from gdn.data import DataConfig, corpus, make_task, text
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 def _tree(tmp_path, n=60):
   """Two fake roots: distinct files, a vendored copy of one, an empty file and one holding a NUL byte."""

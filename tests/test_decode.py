@@ -13,6 +13,8 @@ from gdn.config import AttentionConfig, ModelConfig, RecurrentConfig, recurrent_
 from gdn.model import LanguageModel
 
 VOCAB = 64
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
 SMALL = dict(num_heads=2, head_dim=8, chunk_size=16)
 # GQA, Qwen3-Next's output gate, q/k norm and partial rotary, so that the cached path sees every option.
 ATTENTION = AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, output_gate="sigmoid",

@@ -18,6 +18,9 @@ from gdn.model import LanguageModel, for_decoding
 from gdn.ops import pallas_decode
 from lowering import cuda_hlo
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 @pytest.fixture(autouse=True)
 def _float32_matmuls():

@@ -13,6 +13,9 @@ from gdn.config import AttentionConfig, ModelConfig, RecurrentConfig
 from gdn.generate import generate, sample
 from gdn.model import LanguageModel
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 VOCAB = 64
 SMALL = dict(num_heads=2, head_dim=8, chunk_size=16)
 ATTENTION = AttentionConfig(num_heads=2, head_dim=8, window=5)

@@ -24,6 +24,8 @@ from gdn.layers.recurrent import RecurrentMixer
 from gdn.model import LanguageModel
 
 TOL = 1e-5
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
 SEED_GLOB = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "seeds", "000_*.txt")
 
 
@@ -49,6 +51,9 @@ def randomize(torch, module, scale=0.3):
 @nnx.jit
 def _forward(module, x):
   return module(x)[0]
+
+
+_logits = nnx.jit(lambda model, tokens: model(tokens))  # a whole model: one compile, not its many eager ops
 
 
 def run(module, x):
@@ -283,7 +288,7 @@ def check_model(torch, theirs, ours, vocab, T=13, new_tokens=6):
   tokens = np.random.default_rng(T).integers(0, vocab, size=(2, T))
   with torch.no_grad():
     y = theirs(torch.as_tensor(tokens), use_cache=False).logits
-  assert rel_err(ours(jnp.asarray(tokens)), y) <= TOL
+  assert rel_err(_logits(ours, jnp.asarray(tokens)), y) <= TOL
   out = generate(ours, jnp.asarray(tokens[:, :5]), new_tokens, rng=None, temperature=0.0)
   np.testing.assert_array_equal(np.asarray(out), greedy_torch(torch, theirs, tokens[:, :5], new_tokens))
 
@@ -550,8 +555,8 @@ def test_qwen3_next_causal_lm(torch, hf_qwen3_next, tmp_path, case):
   if case == "tied_moe_no_renorm":  # transformers' in-memory form: fused gate_up_proj, and an mtp head to skip
     sd = {**theirs.state_dict(), "mtp.fc.weight": torch.zeros(2, 2)}
     tokens = jnp.asarray(np.arange(10)[None])
-    np.testing.assert_array_equal(np.asarray(qwen_interop.load_model(sd, hf_config)(tokens)),
-                                  np.asarray(ours(tokens)))
+    np.testing.assert_array_equal(np.asarray(_logits(qwen_interop.load_model(sd, hf_config), tokens)),
+                                  np.asarray(_logits(ours, tokens)))
 
 
 def same_checkpoint(config, original, exported):

@@ -9,6 +9,9 @@ import pytest
 
 from gdn.ops import intra_chunk
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 @pytest.mark.parametrize("C", [64, 16, 12])
 def test_inverse_vjp_equals_autodiff(C):

@@ -14,6 +14,9 @@ from flax import nnx
 from gdn.config import PRESETS, AttentionConfig, RecurrentConfig, recurrent_preset
 from gdn.layers import Attention, GatedRMSNorm, RMSNorm, RecurrentMixer, ShortConv, SwiGLU
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 D = 32
 SMALL = dict(num_heads=2, head_dim=8, chunk_size=16)
 

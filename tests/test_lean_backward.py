@@ -19,6 +19,9 @@ from gdn.ops import chunk
 import test_ops
 from test_ops import assert_close, bfloat16_inputs, make_inputs, oracle, rel
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 def run(method, x, *, local_groups=1, output_vjp=False, chunk_size=8):
   """test_ops.run with local_groups and chunk.OUTPUT_VJP (read at tracing, so it keys the cache)."""

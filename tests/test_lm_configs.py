@@ -13,6 +13,9 @@ from gdn.data import corpus, make_task
 from gdn.sweep import expand
 from gdn.train.config_file import apply_overrides
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 @functools.lru_cache(maxsize=None)
 def _models(module, size):

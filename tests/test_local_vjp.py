@@ -14,6 +14,9 @@ from gdn.ops import intra_chunk, pallas_chunk
 import test_ops
 from test_ops import assert_close, bfloat16_inputs, make_inputs, oracle, rel
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 F32, BF16 = (jnp.float32, jax.lax.Precision.HIGHEST), (jnp.bfloat16, jax.lax.Precision.DEFAULT)
 
 

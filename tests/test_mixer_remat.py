@@ -13,6 +13,9 @@ from gdn.config import ModelConfig, RecurrentConfig, recurrent_preset
 from gdn.layers.recurrent import RecurrentMixer
 from gdn.model import LanguageModel
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 D, H, K = 64, 2, 32
 
 

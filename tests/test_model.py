@@ -15,6 +15,9 @@ from gdn.config import AttentionConfig, ModelConfig, RecurrentConfig
 from gdn.layers import Attention, RecurrentMixer
 from gdn.model import LanguageModel
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 VOCAB = 64
 
 

@@ -19,7 +19,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "quickstart.py")
 # Orbax's async checkpointer may leave its event loop to close after a test ends.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+              pytest.mark.usefixtures("fast_compile")]  # fewer optimisations compile faster (conftest.py)
 PROCESSES, DEVICES_EACH, BATCH = 2, 2, 8
 # One attention layer: compiling the train and eval steps is most of the test's time, and attention compiles in
 # two thirds of the recurrent layer's; the layers' sharding is tests/test_sharding.py's subject, the data path
@@ -93,6 +94,7 @@ def test_two_processes_train_like_one_and_restore(tmp_path):
   port = _free_port()
   shared = str(tmp_path / "two")
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_EACH}", JAX_PLATFORMS="cpu",
+             JAX_DISABLE_MOST_OPTIMIZATIONS="1",  # as the fast_compile fixture does for the one-process run
              PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   workers = [subprocess.Popen([sys.executable, __file__, str(p), str(port), shared], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

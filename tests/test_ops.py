@@ -300,7 +300,7 @@ def test_causality(method):
     return o[:, t0].sum()
 
   diff = {n: jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")}
-  grads = jax.grad(o_t)(diff)
+  grads = jax.jit(jax.grad(o_t))(diff)  # one compile, not the op's many eager steps
   for n, gr in grads.items():
     assert np.all(np.asarray(gr)[:, t0 + 1:] == 0.0), f"{method}: d o_{t0} / d {n} leaks from the future"
     assert np.any(np.asarray(gr)[:, :t0 + 1] != 0.0)
@@ -386,6 +386,8 @@ def test_triangular_solver_matches_blocked():
                                  a["segment_ids"], None, "chunk", 32)
     o_ref, S_ref, _ = oracle(x)
     for solver in ("triangular", "blocked"):
-      o, S = chunk(a["q"], a["k"], a["v"], a["g"], a["beta"], scale=8**-0.5, initial_state=a["initial_state"],
-                   segment_ids=a["segment_ids"], dims=dims, chunk_size=32, solver=solver)
+      run_chunk = jax.jit(lambda a: chunk(a["q"], a["k"], a["v"], a["g"], a["beta"], scale=8**-0.5,
+                                          initial_state=a["initial_state"], segment_ids=a["segment_ids"], dims=dims,
+                                          chunk_size=32, solver=solver))  # one compile, not many eager steps
+      o, S = run_chunk(a)
       assert rel(np.asarray(o, np.float64), o_ref) < 1e-5 and rel(np.asarray(S, np.float64), S_ref) < 1e-5

@@ -24,6 +24,9 @@ from devices import run_child
 from lowering import cuda_hlo
 from test_ops import DIFF_ARGS, assert_close, bfloat16_inputs, make_inputs, oracle, rel, vjp_inputs
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 @functools.lru_cache(maxsize=None)
 def _fwd_bwd(present, chunk_size, block_v, interpret, fused_output=False):

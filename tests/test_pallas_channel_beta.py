@@ -20,6 +20,9 @@ from lowering import cuda_hlo
 from test_ops import DIFF_ARGS, assert_close, bfloat16_inputs, make_inputs, oracle
 from test_pallas import _assert_fused_close, _fwd_bwd, _gpu_inputs, equations, run_pallas
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 # (g, C, block_v, T): block_v 16 with V = 19 splits the value channels over two programs, so the per-program
 # partial sums of the K- and C-side cotangents are checked too; None goes through the public method="pallas".
 CASES = [

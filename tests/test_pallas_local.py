@@ -16,6 +16,9 @@ from gdn.ops import checks, intra_chunk, pallas_chunk, pallas_local
 from lowering import cuda_hlo
 from test_ops import assert_close, bfloat16_inputs, make_inputs, oracle, vjp_inputs
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 FIELDS = ("q_dec", "k_end", "decay", "P", "W", "U")
 
 

@@ -19,6 +19,9 @@ from test_ops import assert_close, bfloat16_inputs, make_inputs, oracle
 from test_pallas import equations
 from test_pallas_local import FIELDS, _fused_op, chunk_inputs, rel_err
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 HIGHEST, DEFAULT = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT
 
 

@@ -19,7 +19,8 @@ from gdn.train.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "quickstart.py")
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+              pytest.mark.usefixtures("fast_compile")]  # fewer optimisations compile faster (conftest.py)
 TINY = [
     "model.d_model=16", "model.num_layers=1", "model.pattern=A", "model.vocab_size=64",
     "model.attention.num_heads=2", "model.attention.head_dim=8", "data.batch_size=4",

@@ -18,7 +18,9 @@ from gdn.train.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Orbax's async checkpointer may leave its event loop to close after a test ends.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+# The runs check what is logged, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = [pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+              pytest.mark.usefixtures("fast_compile")]
 # A 2-layer Gated DeltaNet + attention model of width 16 on MQAR with 16 tokens: 16 steps, an evaluation and a
 # checkpoint every 4, on a schedule of 100 steps.
 TINY = [

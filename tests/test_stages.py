@@ -9,6 +9,9 @@ from gdn.ops import gated_delta_rule, stages
 from reference import gated_delta_rule_ref
 from test_ops import make_inputs, rel
 
+# The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 @pytest.mark.parametrize("method", stages.STATE_PASSES)
 def test_composed_stages_are_the_op(method):

@@ -23,7 +23,10 @@ from gdn.train.metrics import read_jsonl
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "quickstart.py")
 # Orbax's async checkpointer may leave its event loop to close after a test ends.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+# The checks are math and files, not XLA's fusions: fewer optimisations compile faster (conftest.py; the
+# training processes get the same through the environment).
+pytestmark = [pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+              pytest.mark.usefixtures("fast_compile")]
 STEPS = 60  # stop_step: the schedule spans 1000 steps so that every run stops mid-schedule, like a preemption
 TINY = [
     "model.d_model=32", "model.num_layers=2", "model.pattern=RA", "model.vocab_size=64",
@@ -53,7 +56,8 @@ def runs(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("runs")
   # The three processes compile the same programs: a shared persistent cache compiles them once.
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp / "jax_cache"),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+             JAX_DISABLE_MOST_OPTIMIZATIONS="1")
   full, killed = str(tmp / "full"), str(tmp / "killed")
 
   proc = _launch(killed, env)
@@ -307,9 +311,14 @@ def test_chunked_loss_equals_the_whole_logits_loss(scan_layers):
     stats = step.model_stats(nnx.merge(graph, p, rest), batch, chunk)
     return stats["nll"] / stats["weight"], stats
 
-  (ref, ref_stats), ref_g = jax.value_and_grad(loss, has_aux=True)(params, 0)
-  for chunk in (1, 5, 13, 20):
-    (got, stats), g = jax.value_and_grad(loss, has_aux=True)(params, chunk)
+  chunks = (1, 5, 13, 20)
+
+  @jax.jit  # every chunk size in one program: one compile instead of op-by-op gradients of the model
+  def values_and_grads(p):
+    return [jax.value_and_grad(loss, has_aux=True)(p, chunk) for chunk in (0, *chunks)]
+
+  ((ref, ref_stats), ref_g), *chunked = values_and_grads(params)
+  for (got, stats), g in chunked:
     np.testing.assert_allclose(float(got), float(ref), rtol=1e-6)
     for k in ref_stats:
       np.testing.assert_allclose(float(stats[k]), float(ref_stats[k]), rtol=1e-6, err_msg=k)
