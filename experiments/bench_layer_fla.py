@@ -195,19 +195,19 @@ def main(argv=None) -> list:
             f"{est} |", flush=True)
       rows.append(dict(T=T, remat=remat, local_groups=groups, setting=setting,
                        **{f"{s}_{k}": v for s, r in (("gdn", g), ("fla", f)) for k, v in r.items()}))
+  tables, fla_shown = [], set()  # fla's table once per length (one fla process per T), gdn's per row
   for r in rows:
-    for side in ("gdn", "fla"):
-      live = r.get(f"{side}_live")
-      if live and (side == "gdn" or r is rows[0] or r["T"] != rows[rows.index(r) - 1]["T"]):
-        what = ("live at gdn's peak (XLA's buffer assignment)" if side == "gdn"
-                else "kept by fla's autograd for the backward")
-        where = f", remat {r['remat']}, local_groups {r['local_groups']}" + (
-            f", {r['setting']}" if r["setting"] != "-" else "")
-        print(f"\n{what}, T {r['T']}" + (where if side == "gdn" else "")
-              + f": {live['total'] / 2**20:,.1f} MiB")
-        print("| MiB | buffers | shape | made by |\n|---:|---:|---|---|")
-        for nbytes, count, shape, op in live["rows"]:
-          print(f"| {nbytes / 2**20:,.1f} | {count} | {shape} | {op} |")
+    if r.get("fla_live") and r["T"] not in fla_shown:
+      fla_shown.add(r["T"])
+      tables.append((f"kept by fla's autograd for the backward, T {r['T']}", r["fla_live"]))
+    if r.get("gdn_live"):
+      switch = f", {r['setting']}" if r["setting"] != "-" else ""
+      tables.append((f"live at gdn's peak (XLA's buffer assignment), T {r['T']}, remat {r['remat']}, "
+                     f"local_groups {r['local_groups']}{switch}", r["gdn_live"]))
+  for what, live in tables:
+    print(f"\n{what}: {live['total'] / 2**20:,.1f} MiB\n| MiB | buffers | shape | made by |\n|---:|---:|---|---|")
+    for nbytes, count, shape, op in live["rows"]:
+      print(f"| {nbytes / 2**20:,.1f} | {count} | {shape} | {op} |")
   return rows
 
 

@@ -30,23 +30,22 @@ def _one(pattern: str) -> str:
   return max(files, key=os.path.getsize)  # the program itself, not a helper module compiled alongside it
 
 
-def _parse_peak(text: str) -> tuple[int, list[tuple[str, str, int]]]:
-  """(schedule position, [(instruction, tuple index, bytes)]) of the 'Live ranges at N (peak)' section."""
+def _parse_peak(text: str) -> list[tuple[str, str, int]]:
+  """[(instruction, tuple index, bytes)] of the 'Live ranges at N (peak)' section."""
   lines = text.splitlines()
   for i, line in enumerate(lines):
-    m = re.match(r"\s*Live ranges at (\d+) \(peak\):", line)
-    if m:
+    if re.match(r"\s*Live ranges at \d+ \(peak\):", line):
       rows = []
       for row in lines[i + 1:]:
         r = _LIVE_LINE.match(row)
         if not r:
           break
         rows.append((r.group(1), (r.group(2) or "{}").strip("{}"), int(r.group(3))))
-      return int(m.group(1)), rows
+      return rows
   raise RuntimeError("the live-range dump has no peak section")
 
 
-def _instructions(hlo: str) -> dict:
+def hlo_ops(hlo: str) -> dict:
   """instruction name -> (shape text, op_name) of the optimised module. A fusion (or any caller) without an
   op_name of its own takes its called computation's: the root's, else the first one inside."""
   own, calls, comp_names, current = {}, {}, {}, None
@@ -93,8 +92,8 @@ def live_at_peak(lowered, dump_dir: str | None = None) -> dict:
     live = open(_one(os.path.join(where, "*after_optimizations-live-range.txt"))).read()
     hlo = open(_one(os.path.join(where, "*after_optimizations.txt"))).read()
     assignment = open(_one(os.path.join(where, "*after_optimizations-buffer-assignment.txt"))).read()
-  _, rows = _parse_peak(live)
-  instrs, shapes = _instructions(hlo), _value_shapes(assignment)
+  rows = _parse_peak(live)
+  instrs, shapes = hlo_ops(hlo), _value_shapes(assignment)
   buffers = []
   for name, index, nbytes in rows:
     shape, op_name = instrs.get(name, ("?", ""))
@@ -105,12 +104,22 @@ def live_at_peak(lowered, dump_dir: str | None = None) -> dict:
   return dict(total=sum(b["bytes"] for b in buffers), buffers=buffers)
 
 
-def short_op(op_name: str, keep: int = 3) -> str:
-  """The last `keep` parts of a JAX op name, with the transformation wrappers (jvp, transpose, ...) summarised:
-  'bwd' where the operation belongs to the backward (a transpose), 'fwd' otherwise."""
+def op_parts(op_name: str) -> tuple[str, list[tuple[str, str]]]:
+  """A JAX op name taken apart: ('bwd' where the operation belongs to the backward (a transpose), else 'fwd';
+  [(innermost transformation wrapper or '', name)] per part of its name stack, e.g. ('jvp', 'short_conv'))."""
   side = "bwd" if "transpose(" in op_name else "fwd"
-  parts = [re.sub(r"^(?:\w+\()+|\)+$", "", p) for p in op_name.split("/") if p]
-  return f"{side}: " + "/".join(p for p in parts[-keep:] if p)
+  parts = []
+  for part in op_name.split(";")[0].split("/"):
+    *wrappers, name = re.sub(r"\)+$", "", part).split("(")
+    if name:
+      parts.append((wrappers[-1] if wrappers else "", name))
+  return side, parts
+
+
+def short_op(op_name: str, keep: int = 3) -> str:
+  """The last `keep` parts of a JAX op name, prefixed by its side (`op_parts`)."""
+  side, parts = op_parts(op_name)
+  return f"{side}: " + "/".join(name for _, name in parts[-keep:])
 
 
 def grouped(buffers: list, top: int | None = None) -> list:

@@ -16,10 +16,9 @@ import glob
 import gzip
 import json
 import os
-import re
 import tempfile
 
-from gdn.bench.peak import _instructions
+from gdn.bench.peak import hlo_ops, op_parts
 
 
 # Name-stack entries that are control flow or JAX's own helpers, not stages.
@@ -33,14 +32,10 @@ def stage_of(op_name: str, depth: int = 3) -> str:
   (while, body, ...), einsum specs and private helpers (`_where`) are left out; '(unnamed)' without an op name."""
   if not op_name:
     return "(unnamed)"
-  side = "bwd" if "transpose(" in op_name else "fwd"
-  scopes = []
-  for part in op_name.split(";")[0].split("/")[1:-1]:  # the first is the jitted function, the last the primitive
-    *wrappers, name = re.sub(r"\)+$", "", part).split("(")
-    if wrappers and wrappers[-1] == "jit":  # a jitted library function (jax.nn.silu, ...), not a stage
-      continue
-    if name and name not in _NOT_STAGES and "->" not in name and "," not in name and not name.startswith("_"):
-      scopes.append(name)
+  side, parts = op_parts(op_name)
+  scopes = [name for wrapper, name in parts[1:-1]  # the first is the jitted function, the last the primitive
+            if wrapper != "jit"  # a jitted library function (jax.nn.silu, ...), not a stage
+            and name not in _NOT_STAGES and "->" not in name and "," not in name and not name.startswith("_")]
   return f"{side}: " + ("/".join(scopes[:depth]) if scopes else "(no scope)")
 
 
@@ -67,7 +62,7 @@ def jax_kernel_times(step, steps: int = 5, hlo_text: str | None = None) -> dict:
   procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   devices = {pid for pid, name in procs.items() if name.startswith("/device:")}
-  ops = _instructions(hlo_text) if hlo_text else {}
+  ops = hlo_ops(hlo_text) if hlo_text else {}
   kernels = collections.defaultdict(lambda: [0.0, 0, "", ""])
   for e in events:
     if e.get("ph") != "X":
