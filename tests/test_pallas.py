@@ -29,11 +29,12 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 @functools.lru_cache(maxsize=None)
-def _fwd_bwd(present, chunk_size, block_v, interpret, fused_output=False):
+def _fwd_bwd(present, chunk_size, block_v, interpret, fused_output=False, bwd_states=False):
   """Jitted forward + VJP with fixed cotangents. With block_v and interpret None, through the public
   `gated_delta_rule(method="pallas")`; else through `pallas_chunk.pallas`, which takes them. fused_output:
   `pallas_chunk.FUSED_OUTPUT` as the caller set it (the switch is read at trace time, so it keys the cache); when
-  true, the forward-only (o, S) come too, the only call that runs the fused output kernel."""
+  true, the forward-only (o, S) come too, the only call that runs the fused output kernel. bwd_states:
+  `pallas_chunk.BWD_STATES` as the caller set it, likewise read at trace time (a key of the cache only)."""
 
   def f(diff, segment_ids, co):
     def op(diff):
@@ -60,7 +61,8 @@ def run_pallas(x, *, chunk_size=8, block_v=None, interpret=None, seed=1):
   forward-only call's output and final state."""
   diff, seg, co = vjp_inputs(x, seed)
   fused = pallas_chunk.FUSED_OUTPUT
-  o, S, grads, *forward_only = _fwd_bwd(tuple(sorted(diff)), chunk_size, block_v, interpret, fused)(diff, seg, co)
+  o, S, grads, *forward_only = _fwd_bwd(tuple(sorted(diff)), chunk_size, block_v, interpret, fused,
+                                        pallas_chunk.BWD_STATES)(diff, seg, co)
   f64 = lambda o, S: (np.asarray(o, np.float64), np.asarray(S, np.float64),
                       {n: np.asarray(g, np.float64) for n, g in grads.items()})
   return (f64(o, S), f64(*forward_only[0])) if fused else f64(o, S)
@@ -89,6 +91,40 @@ def test_float32_against_oracle(g_kind, beta_kind, C, block_v):
 def test_bfloat16_inputs():
   x_bf, x_ref = bfloat16_inputs(make_inputs(23, 2, 40, 2, 2, 16, 16, "head", "head"))
   assert_close(run_pallas(x_bf), oracle(x_ref), 2e-2, "bf16 pallas")
+
+
+@pytest.mark.parametrize("g_kind, beta_kind, C, block_v", [CASES[1], CASES[3]])
+def test_backward_states_against_oracle(monkeypatch, g_kind, beta_kind, C, block_v):
+  """BWD_STATES: the backward kernel writes dS per chunk and XLA forms dW, dk_end and ddecay over the whole of V
+  (two value blocks here, so the sums cross blocks); with and without the delta rule, float32 and bfloat16."""
+  monkeypatch.setattr(pallas_chunk, "BWD_STATES", True)
+  x = make_inputs(21, 2, 35, 2, 4, 5, 19, g_kind, beta_kind, segments=True)
+  assert_close(run_pallas(x, chunk_size=C, block_v=block_v), oracle(x), 1e-5, f"dS per chunk g={g_kind} "
+               f"beta={beta_kind}")
+  x_bf, x_ref = bfloat16_inputs(make_inputs(23, 2, 40, 2, 2, 16, 32, g_kind, beta_kind))
+  assert_close(run_pallas(x_bf, chunk_size=C, block_v=16), oracle(x_ref), 2e-2, f"bf16 dS per chunk g={g_kind}")
+
+
+def test_backward_states_kernel_replaces_the_partial_sums(monkeypatch):
+  """With BWD_STATES the differentiated call runs `gdn_chunk_dstates_bwd`, whose results are dU0, dS per chunk
+  (operand dtype) and dS0: no [L, V / BV, N, Cp, Kp] partial sums. Per-value-channel beta keeps the old kernel."""
+  for beta_kind, want in [("head", "gdn_chunk_dstates_bwd"), ("channel", "gdn_chunk_states_bwd")]:
+    x_bf, _ = bfloat16_inputs(make_inputs(28, 1, 40, 1, 2, 16, 32, "head", beta_kind))
+    diff = {n: jnp.asarray(x_bf[n]) for n in ("q", "k", "v", "g", "beta")}
+    for flag in (False, True):
+      monkeypatch.setattr(pallas_chunk, "BWD_STATES", flag)
+
+      def loss(diff):
+        o, _ = ops.gated_delta_rule(diff["q"], diff["k"], diff["v"], diff["g"], diff["beta"], method="pallas",
+                                    chunk_size=16)
+        return jnp.sum(o.astype(jnp.float32))
+
+      names = [e.params["name"] for e in equations(jax.make_jaxpr(jax.grad(loss))(diff))]
+      assert names[-1] == (want if flag else "gdn_chunk_states_bwd"), (beta_kind, flag, names)
+      if flag and beta_kind == "head":
+        (call,) = [e for e in equations(jax.make_jaxpr(jax.grad(loss))(diff)) if e.params["name"] == want]
+        shapes = [(tuple(v.aval.shape), v.aval.dtype) for v in call.outvars]
+        assert shapes == [((2, 3, 16, 32), jnp.float32), ((2, 3, 16, 32), jnp.bfloat16), ((2, 16, 32), jnp.float32)]
 
 
 def _assert_fused_close(x, want, tol, what, **kw):
@@ -196,6 +232,17 @@ def test_fused_output_kernel_lowers_to_triton(monkeypatch, beta_kind):
   assert all(hlo.count(name) >= 1 for name in ("gdn_chunk_output_fwd", "gdn_chunk_states_fwd", "gdn_chunk_states_bwd"))
 
 
+def test_backward_states_kernel_lowers_to_triton(monkeypatch):
+  """BWD_STATES' backward kernel lowers for CUDA (bfloat16, C = 64, K = V = 128, two value blocks)."""
+  monkeypatch.setattr(pallas_chunk, "BWD_STATES", True)
+  monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", False)
+  x, _ = bfloat16_inputs(make_inputs(30, 1, 128, 1, 2, 128, 128, "head", "head"))
+  diff = {n: jnp.asarray(x[n]) for n in DIFF_ARGS}
+  co = (jnp.ones((1, 128, 2, 128), jnp.bfloat16), jnp.ones((1, 2, 128, 128)))
+  hlo = cuda_hlo(_fwd_bwd(tuple(sorted(diff)), 64, None, False, False, True), diff, None, co)
+  assert hlo.count("__gpu$xla.gpu.triton") == 2 and "gdn_chunk_dstates_bwd" in hlo
+
+
 def _gpu_inputs(seed, dtype, g_kind="head", beta_kind="head"):
   """(inputs, the oracle's inputs) at a realistic shape: B = 2, T = 1024, H = 4, K = V = 128, with segments."""
   x = make_inputs(seed, 2, 1024, 4, 4, 128, 128, g_kind, beta_kind, segments=True)
@@ -208,6 +255,15 @@ def test_compiled_on_gpu(dtype, tol):
   """The compiled Triton kernels at a realistic shape: B = 2, T = 1024, H = 4, K = V = 128."""
   x, x_ref = _gpu_inputs(26, dtype)
   assert_close(run_pallas(x, chunk_size=64, interpret=False), oracle(x_ref), tol, f"gpu pallas {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
+def test_backward_states_compiled_on_gpu(monkeypatch, dtype, tol):
+  """BWD_STATES with the compiled kernels at test_compiled_on_gpu's shape."""
+  monkeypatch.setattr(pallas_chunk, "BWD_STATES", True)
+  x, x_ref = _gpu_inputs(26, dtype)
+  assert_close(run_pallas(x, chunk_size=64, interpret=False), oracle(x_ref), tol, f"gpu dS per chunk {dtype}")
 
 
 @pytest.mark.gpu
@@ -247,6 +303,16 @@ def _sharded_child():
     errs.update({f"d{n}": rel(np.asarray(grads[n]), np.asarray(g_ref[n])) for n in grads})
     out.append({"case": f"g={g_kind} beta={beta_kind}", "errors": errs, "all_gathers": hlo.count("all-gather"),
                 "o_stays_sharded": o.sharding.is_equivalent_to(rows, o.ndim)})
+    if beta_kind == "head":  # BWD_STATES' backward kernel op, partitioned the same way
+      pallas_chunk.BWD_STATES = True
+      fn = _fwd_bwd(tuple(sorted(diff)), 8, None, None, False, True)
+      hlo = fn.lower(*args).compile().as_text()
+      o, S, grads = fn(*args)
+      pallas_chunk.BWD_STATES = False
+      errs = {"o": rel(np.asarray(o), np.asarray(o_ref))}
+      errs.update({f"d{n}": rel(np.asarray(grads[n]), np.asarray(g_ref[n])) for n in grads})
+      out.append({"case": f"dS per chunk, g={g_kind} beta={beta_kind}", "errors": errs,
+                  "all_gathers": hlo.count("all-gather"), "o_stays_sharded": o.sharding.is_equivalent_to(rows, o.ndim)})
     # The forward-only call with FUSED_OUTPUT (the fused kernel's op) against the same one-device results.
     pallas_chunk.FUSED_OUTPUT = True
     fwd = jax.jit(lambda d, seg: ops.gated_delta_rule(d["q"], d["k"], d["v"], d.get("g"), d.get("beta"),
@@ -265,9 +331,9 @@ def _sharded_child():
 def test_batch_sharded_runs_per_device():
   """With the batch split over an 8-device ("data", "fsdp") mesh, outputs, final state and all gradients equal
   one device's, and the compiled module gathers nothing: each device runs the kernels on its own rows. The same
-  for the forward-only call with FUSED_OUTPUT (the fused output kernel's op)."""
+  for the forward-only call with FUSED_OUTPUT (the fused output kernel's op) and for BWD_STATES' backward."""
   results = run_child(__file__)
-  assert len(results) == 2 * len(SHARDED_CASES)
+  assert len(results) == 2 * len(SHARDED_CASES) + 1
   for r in results:
     bad = {n: e for n, e in r["errors"].items() if not e <= 1e-5}
     assert not bad, f"{r['case']}: relative error above 1e-5: {bad}"

@@ -32,6 +32,10 @@ as it reads W and k_end). That serves forward-only calls
 program (the state-pass kernel writing S_in and U, the output in XLA), and its backward the backward kernel
 after the VJP of that product. Segments need nothing of their own: their masks are in q_dec, P, k_end, decay.
 
+With `BWD_STATES` the backward kernel carries only dS and writes each chunk's leaving-state cotangent
+dS[n] [Kp, BV] and dU[n]; dW = -dU S_in^T, dk_end = U dS^T and ddecay = sum_v S_in * dS are then batched matmuls
+in XLA over the whole of V (fla's split), instead of per-value-block partial sums from the kernel.
+
 Under a multi-device `jax.jit` each kernel call is a `custom_partitioning` op whose sharding rule keeps the
 sharding of the batch and value-head axes and replicates the rest, so every device runs the same kernel on its
 own rows (XLA cannot split a kernel call itself and would gather the whole batch onto every device). Under
@@ -82,6 +86,14 @@ FUSED_LOCAL: Optional[bool] = None
 # forward from 0.84 to 0.63 ms at (4, 2048, 16, 128) and from 3.91 to 3.44 at (4, 4096, 64, 128) (docs/benchmarks.md).
 FUSED_OUTPUT: Optional[bool] = None
 SUB = 16  # rows of a block of the per-value-channel solve (`_channel_solve`): Triton's smallest dot dimension
+# The backward kernel's results (per-head beta or no delta rule; per-value-channel beta keeps today's kernel):
+# True, the cotangent of the state leaving each chunk, dS [Kp, BV] per chunk in the operand dtype (what fla's
+# backward state kernel writes), and dW = -dU S_in^T, dk_end = U dS^T and ddecay = sum_v S_in * dS from it in
+# XLA, batched matmuls over the whole of V; the kernel then reads neither S_in nor U and holds one state-sized
+# block in registers. False, the kernel computes those three products per value block and writes them as float32
+# partial sums [L, V / BV, N, Cp, Kp] that XLA adds up: at K = 256, V = 512 (the 340M model) eight of them per
+# chunk. Off until timed on a GPU (docs/benchmarks.md).
+BWD_STATES = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +108,8 @@ class Config:
   out_dtype: str = "float32"  # O's dtype in memory
   out_prec: Optional[jax.lax.Precision] = None  # the caller's precision: the XLA output's in a differentiated call
   channel: bool = False  # per-value-channel beta: the W slot holds k_dec, and A and beta come too (`_channel_solve`)
+  states_bwd: bool = False  # BWD_STATES: the backward kernel writes dS per chunk; dW, dk_end, ddecay in XLA
+  xla_prec: Optional[jax.lax.Precision] = None  # the caller's precision, for those products in XLA
 
 
 def _dot(a, b, ta: bool, tb: bool, prec):
@@ -257,6 +271,31 @@ def _backward_kernel(*refs, cfg: Config, N: int):
   ds0_ref[...] = dS.astype(ds0_ref.dtype)
 
 
+def _backward_states_kernel(*refs, cfg: Config, N: int):
+  """BWD_STATES' backward: the chunks in reverse, carrying only dS. Refs: W (delta rule only), k_end, decay,
+  dS_in, dU, dS_T; results dU0 (dU + k_end dS), dS (the cotangent of the state leaving each chunk) and dS0."""
+  refs = list(refs)
+  take = lambda present=True: refs.pop(0) if present else None
+  w_ref, kend_ref, decay_ref, ds_in_ref, du_ref, ds_t_ref = take(cfg.delta), take(), take(), take(), take(), take()
+  du0_ref, ds_ref, ds0_ref = take(), take(), take()
+  odt = jnp.dtype(cfg.operands)
+  f32 = jnp.float32
+
+  def body(i, dS):
+    n = N - 1 - i
+    dS_op = dS.astype(odt)
+    ds_ref[n] = dS_op.astype(ds_ref.dtype)
+    dU = du_ref[n].astype(f32) + _dot(kend_ref[n], dS_op, False, False, cfg.prec)  # [Cp, BV]
+    du0_ref[n] = dU.astype(du0_ref.dtype)
+    dS_prev = decay_ref[n].astype(f32)[:, None] * dS + ds_in_ref[n].astype(f32)
+    if cfg.delta:
+      dS_prev = dS_prev - _dot(w_ref[n], dU.astype(odt), True, False, cfg.prec)  # W^T dU
+    return dS_prev
+
+  dS = jax.lax.fori_loop(0, N, body, ds_t_ref[...].astype(f32))
+  ds0_ref[...] = dS.astype(ds0_ref.dtype)
+
+
 def _call(kernel, cfg: Config, grid, ins, in_specs, outs, out_specs, name, num_warps, num_stages):
   return pl.pallas_call(
       kernel, out_shape=outs, grid=grid, in_specs=in_specs, out_specs=out_specs, interpret=cfg.interpret,
@@ -348,6 +387,36 @@ def _backward_call(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0=No
   return tuple(_unrows(r, B) for r in [dU0] + [p.sum(1) for p in parts] + [dS0] + dbeta)
 
 
+def _backward_states_call(cfg: Config, W, k_end, decay, dS_in, dU, dS_T):
+  """BWD_STATES' backward kernel on operands [B, HV, ...]: (dU0, dS, dS0) [B, HV, ...], dS [.., N, Kp, Vp] in
+  the operand dtype."""
+  B, HV, N, Cp, Vp = dU.shape
+  L, Kp, BV = B * HV, k_end.shape[-1], cfg.block_v
+  per_v, per_k, dec, state, _, _ = _specs(L, N, Cp, Kp, BV)
+  ins = ([W] if cfg.delta else []) + [k_end, decay, dS_in, dU, dS_T]
+  in_specs = ([per_k] if cfg.delta else []) + [per_k, dec, per_v(Kp), per_v(Cp), state]
+  outs = [jax.ShapeDtypeStruct((L, N, Cp, Vp), jnp.float32), jax.ShapeDtypeStruct((L, N, Kp, Vp), jnp.dtype(cfg.operands)),
+          jax.ShapeDtypeStruct((L, Kp, Vp), jnp.float32)]
+  out_specs = [per_v(Cp), per_v(Kp), state]
+  # As the forward: one state-sized block (dS) in registers at four warps, and two stages where W and k_end
+  # are at most [64, 128].
+  stages = 2 if Cp * Kp <= 64 * 128 and BV <= 64 else 1
+  res = _call(functools.partial(_backward_states_kernel, cfg=cfg, N=N), cfg, (L, Vp // BV), [_rows(x) for x in ins],
+              in_specs, outs, out_specs, "gdn_chunk_dstates_bwd", 4, stages)
+  return tuple(_unrows(r, B) for r in res)
+
+
+def _from_states(cfg: Config, S_in, U, dU, dS):
+  """BWD_STATES: dW = -dU S_in^T, dk_end = U dS^T [.., N, Cp, Kp] and ddecay = sum_v S_in * dS [.., N, Kp] in
+  XLA, from operand-dtype factors (as the kernels round them) with float32 accumulation; dW None without W."""
+  odt = jnp.dtype(cfg.operands)
+  mm = lambda a, b: jnp.einsum("...cv,...kv->...ck", a.astype(odt), b.astype(odt), precision=cfg.xla_prec,
+                               preferred_element_type=jnp.float32)
+  dW = -mm(dU, S_in) if cfg.delta else None
+  ddecay = jnp.sum(S_in.astype(jnp.float32) * dS.astype(jnp.float32), axis=-1)
+  return dW, mm(U, dS), ddecay
+
+
 def _rows(x):
   """[B, HV, ...] -> [L, ...], the kernels' grid axis (a free reshape)."""
   return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
@@ -419,6 +488,11 @@ _BACKWARD = {
                                                   "n c v,n c k,n c k,n k,n c i,k v,n c v")),
 }
 
+_BACKWARD_STATES = {
+    True: _per_rows(_backward_states_call, _rule("n c k,n c k,n k,n k v,n c v,k v", "n c v,n k v,k v")),
+    False: _per_rows(_backward_states_call, _rule("n c k,n k,n k v,n c v,k v", "n c v,n k v,k v")),
+}
+
 
 def _batched_rows(op, cfg: Config, *arrays):
   """`op(cfg, *arrays)` with a batching rule: `custom_partitioning` has none, so under `jax.vmap` (e.g. sweep
@@ -455,6 +529,10 @@ def _forward(cfg: Config, U0, W, k_end, decay, S0, q_dec=None, P=None, A=None, b
 def _backward(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0=None, A=None, beta=None):
   """(dU0, dW, dk_end, ddecay, dS0, dA, dbeta): dW None without the delta rule, dA and dbeta None but for
   per-value-channel beta."""
+  if cfg.states_bwd and not cfg.channel:
+    dU0, dS, dS0 = _batched_rows(_BACKWARD_STATES[cfg.delta], cfg, W, k_end, decay, dS_in, dU, dS_T)
+    dW, dk_end, ddecay = _from_states(cfg, S_in, U, dU0, dS)
+    return dU0, dW, dk_end, ddecay, dS0, None, None
   res = _batched_rows(_BACKWARD[cfg.delta, cfg.channel], cfg, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0, A,
                       beta)
   if cfg.channel:
@@ -549,7 +627,8 @@ def _operands(loc: intra_chunk.Local, S0, prec, block_v: int, interpret: Optiona
   interpret = default_interpret() if interpret is None else interpret
   cfg = Config(prec=kernel_precision(prec, interpret), block_v=BV, interpret=interpret, delta=delta,
                operands=operands, output=output is not None, out_dtype=jnp.dtype(output or jnp.float32).name,
-               out_prec=prec if output is not None else None, channel=channel)
+               out_prec=prec if output is not None else None, channel=channel, states_bwd=BWD_STATES and not channel,
+               xla_prec=prec if BWD_STATES and not channel else None)
   args = (op(loc.U, Cp, Vp), op(loc.k_dec if channel else loc.W, Cp, Kp) if delta else None, op(loc.k_end, Cp, Kp),
           f32(decay, Kp), f32(S0, Kp, Vp))
   if output is not None:
