@@ -29,6 +29,15 @@ far); XLA GiB is XLA's estimate for the compiled step (arguments + outputs + tem
 batches are random tokens (the work does not depend on them); every step repeats one batch, and both sides
 follow the config's schedule (fla through a LambdaLR on gdn's `lr_shape`), so "loss", the last step's, compares
 like with like: about ln(vocab) while the warm-up keeps the rate near zero.
+
+--profile N prints, after the table, each side's N kernels with the most device time per step (gdn's also per
+named stage), from a profiler trace of --steps steps: fla's with torch.profiler in this process, gdn's in a child
+process (this script again with --fla off and the same config, overrides, batch, sequence length and steps, told
+by a hidden --profile-json PATH where to write its profile; `gdn.bench.profile.jax_profile_in_child`). The child
+keeps jax.profiler clear of the CUPTI subscriber torch.profiler holds, and on a GPU it runs with XLA's command
+buffers off (`--xla_gpu_enable_command_buffer=`), without which the trace names CUDA-graph command buffers instead
+of the HLO ops that map kernels to stages. gdn's table says so: its device time per step is of kernels launched
+one by one and need not match the step ms above. A failing child leaves its exit code and stderr's end instead.
 """
 
 from __future__ import annotations
@@ -60,10 +69,13 @@ def parse_args(argv=None):
   p.add_argument("--profile", type=int, default=0, metavar="N",
                  help="after the table, each side's N kernels with the most device time per step (gdn's also per "
                       "named stage: embed, norm, recurrent/..., attention, mlp, head, loss, optimizer), from a "
-                      "profiler trace of --steps steps")
+                      "profiler trace of --steps steps (gdn's in a child process)")
+  p.add_argument("--profile-json", metavar="PATH", help=argparse.SUPPRESS)  # a profiling child's output
   a = p.parse_args(argv)
   if a.batch < 1 or a.seq_len < 2:
     p.error("--batch must be >= 1 and --seq-len >= 2")
+  if a.profile and a.depths:
+    p.error("--profile is for the one model's table, not --depths")
   a.depths = [int(s) for s in a.depths.split(",") if s.strip()]
   a.layouts = [s.strip() for s in a.layouts.split(",") if s.strip()]
   if set(a.layouts) - {"scan", "unrolled"} or not a.layouts:
@@ -113,13 +125,23 @@ def run_gdn(cfg, toks, a) -> dict:
   r.update(compile_s=compile_s, xla_bytes=compiled_bytes(compiled),
            peak_bytes=device_memory_stats().get("peak_bytes_in_use"),
            loss=float(held["metrics"]["loss"]))
-  if a.profile:
+  if a.profile and a.profile_json:  # a profiling child (gdn_profile_in_child)
     from gdn.bench.profile import jax_kernel_times
     r["profile"] = jax_kernel_times(lambda: (one(), jax.block_until_ready(held["state"])), a.steps,
                                     compiled.as_text())
   del held, state, batch, compiled
   gc.collect()
   return r
+
+
+def gdn_profile_in_child(a) -> dict:
+  """gdn's profile of one training step (run_gdn's, or {"error": ...}), traced in a child process: this script
+  with --fla off and the same model, batch and steps (gdn.bench.profile.jax_profile_in_child)."""
+  from gdn.bench.profile import jax_profile_in_child
+
+  argv = ["--fla", "off", "--config", a.config, "--batch", str(a.batch), "--seq-len", str(a.seq_len),
+          "--warmup", str(a.warmup), "--steps", str(a.steps), "--profile", str(a.profile)]
+  return jax_profile_in_child("experiments.bench_model", argv + [f"--override={o}" for o in a.override])[0]
 
 
 def fla_model(cfg):
@@ -278,6 +300,11 @@ def main(argv=None) -> list:
   row(f"gdn {flop['params'] / 1e6:,.1f}M", run_gdn(cfg, toks, a))
   if not run:
     print(f"fla: skipped, {why}")
+  if a.profile_json:
+    from gdn.bench.profile import write_profiles
+    write_profiles(a.profile_json, [r["profile"] for r in out if "profile" in r])
+  elif a.profile:
+    out[-1]["profile"] = gdn_profile_in_child(a)
   if a.profile:
     from gdn.bench.profile import format_times
     for r in out:

@@ -32,6 +32,16 @@ Pallas' interpreter, which times nothing useful). fla 0.6.0 refuses its gated ba
 3.7.1 (a numerics guard); for timing only this script sets `fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1 = True`,
 and the header says so. JAX is told not to preallocate GPU memory (XLA_PYTHON_CLIENT_PREALLOCATE=false, unless
 set already) so that both frameworks' allocators share the card.
+
+--profile N adds, per shape, where each side's forward+backward spends its device time, from a profiler trace of 5
+calls (`gdn.bench.profile`): fla's N largest kernels (torch.profiler, in this process), gdn's N largest kernels
+and its time per named stage. gdn's trace is taken in a child process, this script again with `--gdn-only
+--shapes <the shape> --profile N` and a hidden --profile-json PATH, to which the child writes its profile: a
+process has one CUPTI subscriber, which torch.profiler keeps once it has traced fla. On a GPU the child runs with
+XLA's command buffers off (`--xla_gpu_enable_command_buffer=` appended to XLA_FLAGS), so that its trace names each
+kernel's HLO op and stage, and gdn's table says so: its kernel times come from a run without CUDA graphs, while
+the timing table's come from this process, with them. A child that fails leaves a line with its exit code and
+the end of its stderr in place of gdn's table.
 """
 
 from __future__ import annotations
@@ -139,13 +149,15 @@ def fla_side(variant, args, do, kw, device="cuda"):
   return fwd, fwd_bwd, lambda _: sync()
 
 
-def profiles(sides, args, do, steps: int) -> dict:
-  """Per side, where the forward+backward call's device time goes (gdn.bench.profile): gdn's per kernel and per
-  named stage, fla's per kernel."""
+def profiles(sides, args, do, steps: int, names=("gdn", "fla")) -> dict:
+  """Per side in `names`, where the forward+backward call's device time goes (gdn.bench.profile): gdn's per kernel
+  and per named stage, fla's per kernel, both traced in this process."""
   from gdn.bench.profile import jax_kernel_times, torch_kernel_times
 
   out = {}
   for name, side in sides.items():
+    if name not in names:
+      continue
     step = lambda side=side: side[2](side[1]())
     if name == "gdn":
       hlo = jax.jit(vjp_of(make_fn("pallas", None))).lower(do, *args).compile().as_text()
@@ -155,9 +167,10 @@ def profiles(sides, args, do, steps: int) -> dict:
   return out
 
 
-def measure(variant, shape, dtype, g_dtype, reps, torch=None, safe_gate=False, profile: int = 0) -> dict:
-  """One row: ms of each side (fla's only with torch given), fla's do_bench ms, and the rel errs. A side that
-  fails to build or run is left out (its error in row["<side>_error"]) and the other still timed."""
+def measure(variant, shape, dtype, g_dtype, reps, torch=None, safe_gate=False, profile=()) -> dict:
+  """One row: ms of each side (fla's only with torch given), fla's do_bench ms, and the rel errs; with the sides
+  named in `profile`, their profiles (row["profiles"]). A side that fails to build or run is left out (its error
+  in row["<side>_error"]) and the other still timed."""
   args, do = variant_inputs(variant, shape, dtype, g_dtype)
   builders = {"gdn": lambda: gdn_side(args, do)}
   if torch is not None:  # fla first: its autotuning, then XLA's compile
@@ -180,7 +193,7 @@ def measure(variant, shape, dtype, g_dtype, reps, torch=None, safe_gate=False, p
     row.update(fla_fwd_do_bench=triton.testing.do_bench(sides["fla"][0], return_mode="median"),
                fla_fb_do_bench=triton.testing.do_bench(sides["fla"][1], return_mode="median"))
   if profile:
-    row["profiles"] = profiles(sides, args, do, steps=5)
+    row["profiles"] = profiles(sides, args, do, steps=5, names=profile)
   if len(outs) == 2:
     host = lambda t: t.detach().float().cpu().numpy()
     (o_fla, g_fla), (o_gdn, g_gdn) = outs["fla"], outs["gdn"]
@@ -196,6 +209,16 @@ def free(torch=None):
   gc.collect()
   if torch is not None:
     torch.cuda.empty_cache()
+
+
+def gdn_profile_in_child(a, shape) -> dict:
+  """gdn's profile at `shape` (a profiles() dict, or {"error": ...}), traced in a child process: this script with
+  gdn alone (gdn.bench.profile.jax_profile_in_child)."""
+  from gdn.bench.profile import jax_profile_in_child
+
+  argv = ["--gdn-only", "--variant", a.variant, "--shapes", ",".join(map(str, shape)), "--dtype", a.dtype,
+          "--g-dtype", a.g_dtype, "--reps", "1", "--profile", str(a.profile)]
+  return jax_profile_in_child("experiments.bench_vs_fla", argv)[0]
 
 
 def parse_shapes(texts):
@@ -216,7 +239,9 @@ def main(argv=None) -> list:
                  help="kda: chunk_kda(safe_gate=True, lower_bound=-5), its kernel for gates in [-5, 0)")
   p.add_argument("--profile", type=int, default=0, metavar="N",
                  help="after each shape, the N kernels of each side's forward+backward that take the most device "
-                      "time (and gdn's time per named stage), from a profiler trace of 5 calls")
+                      "time (and gdn's time per named stage), from a profiler trace of 5 calls (gdn's in a child "
+                      "process)")
+  p.add_argument("--profile-json", metavar="PATH", help=argparse.SUPPRESS)  # a profiling child's output
   a = p.parse_args(argv)
   if a.fla_safe_gate and a.variant != "kda":
     p.error("--fla-safe-gate is for --variant kda")
@@ -241,12 +266,14 @@ def main(argv=None) -> list:
   print("| B, T, H, D | fla fwd ms | gdn fwd ms | gdn/fla fwd | fla fwd+bwd ms | gdn fwd+bwd ms | gdn/fla fwd+bwd | "
         "rel err o | rel err grads | fla do_bench fwd / fwd+bwd ms |")
   print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  # the sides traced here: gdn's only in a profiling child (--profile-json), which runs it alone
+  here = () if not a.profile else ("gdn",) if a.profile_json else ("fla",)
   rows = []
   for shape in shapes:
     name = ", ".join(map(str, shape))
     try:
       r = measure(a.variant, shape, jnp.dtype(a.dtype), jnp.dtype(a.g_dtype), a.reps, torch, a.fla_safe_gate,
-                  a.profile)
+                  here)
     except Exception as e:  # report and go on: one failing shape must not hide the others
       print(f"| {name} | failed: {type(e).__name__}: {str(e)[:160]} |", flush=True)
       free(torch)
@@ -260,7 +287,12 @@ def main(argv=None) -> list:
     bench = f"{r['fla_fwd_do_bench']:.3f} / {r['fla_fb_do_bench']:.3f}" if "fla_fwd_do_bench" in r else "-"
     print(f"| {name} | {ms('fla_fwd')} | {ms('gdn_fwd')} | {ratio('fwd')} | {ms('fla_fb')} | {ms('gdn_fb')} | "
           f"{ratio('fb')} | {err('rel_err')} | {err('grad_rel_err')} | {bench} |", flush=True)
+    if a.profile and not a.profile_json and "gdn_fb" in r:
+      r.setdefault("profiles", {})["gdn"] = gdn_profile_in_child(a, shape)
     rows.append(dict(shape=shape, **r))
+  if a.profile_json:
+    from gdn.bench.profile import write_profiles
+    write_profiles(a.profile_json, [r["profiles"]["gdn"] for r in rows if "gdn" in r.get("profiles", {})])
   if a.profile:
     from gdn.bench.profile import format_times
     for r in rows:

@@ -1,10 +1,15 @@
-"""gdn.bench.profile: the device time of a traced step per kernel and per named stage (CPU here: the XLA thunks)."""
+"""gdn.bench.profile: the device time of a traced step per kernel and per named stage (CPU here: the XLA thunks),
+and the benchmark scripts' JAX profiles traced in a child process."""
+
+import subprocess
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from gdn.bench.profile import format_times, jax_kernel_times, stage_of, torch_kernel_times
+from gdn.bench import profile
+from gdn.bench.profile import (NO_COMMAND_BUFFERS, child_env, command_buffers_off, format_times, jax_kernel_times,
+                               jax_profile_in_child, read_profiles, stage_of, torch_kernel_times, write_profiles)
 
 
 def test_stage_of_keeps_the_scopes_and_the_side():
@@ -47,16 +52,63 @@ def test_torch_kernel_times_counts_the_operators():
   assert all(r[1] > 0 for r in prof["kernels"])
 
 
-def test_bench_vs_fla_profiles_gdn(capsys):
+def test_child_env_turns_command_buffers_off_on_a_gpu_only():
+  env = {"XLA_FLAGS": "--xla_gpu_autotune_level=0", "OTHER": "1"}
+  gpu = child_env("gpu", env)
+  assert gpu == dict(env, XLA_FLAGS=f"--xla_gpu_autotune_level=0 {NO_COMMAND_BUFFERS}") and env["OTHER"] == "1"
+  assert child_env("gpu", {})["XLA_FLAGS"] == NO_COMMAND_BUFFERS
+  assert child_env("cpu", env) == env and child_env("cpu", env) is not env and "XLA_FLAGS" not in child_env("cpu", {})
+  assert command_buffers_off(gpu["XLA_FLAGS"]) and not command_buffers_off(env["XLA_FLAGS"])
+  assert not command_buffers_off(f"{NO_COMMAND_BUFFERS} {NO_COMMAND_BUFFERS}FUSION")
+
+
+def test_profiles_through_json_come_back_as_tuples(tmp_path):
+  prof = dict(steps=2, total_us=3.0, kernels=[(3.0, 1.0, "k", "fusion", "fwd: a")], stages=[(3.0, "fwd: a")],
+              source="s", command_buffers_off=True)
+  write_profiles(str(tmp_path / "p.json"), [prof])
+  assert read_profiles(str(tmp_path / "p.json")) == [prof]
+  assert "command buffers off" in format_times(prof).splitlines()[0]
+  assert "command buffers" not in format_times(dict(prof, command_buffers_off=False))
+
+
+def test_jax_profile_in_child_passes_the_gpu_flag_and_reads_the_json(monkeypatch):
+  seen = {}
+
+  def run(cmd, env, **kw):  # stands in for the child: writes one profile where --profile-json says
+    seen.update(cmd=cmd, env=env)
+    write_profiles(cmd[cmd.index("--profile-json") + 1], [dict(steps=1, total_us=1.0, kernels=[], stages=[])])
+    return subprocess.CompletedProcess(cmd, 0, "", "")
+
+  monkeypatch.setattr(profile.subprocess, "run", run)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+  (prof,) = jax_profile_in_child("experiments.bench_model", ["--fla", "off"], backend="gpu")
+  assert prof["total_us"] == 1.0 and seen["cmd"][1:5] == ["-m", "experiments.bench_model", "--fla", "off"]
+  assert seen["env"]["XLA_FLAGS"] == f"--xla_dump_to=/tmp/x {NO_COMMAND_BUFFERS}"
+  jax_profile_in_child("experiments.bench_model", [], backend="cpu")
+  assert seen["env"]["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+
+
+def test_a_failing_child_gives_its_exit_code_and_stderr():
+  (prof,) = jax_profile_in_child("experiments.no_such_script", ["--x"], backend="cpu")
+  assert "exited with code 1" in prof["error"] and "No module named experiments.no_such_script" in prof["error"]
+  assert format_times(prof, title="gdn: ").startswith("gdn: not profiled: the profiling child")
+
+
+def test_bench_vs_fla_profiles_gdn_in_a_child(capsys, monkeypatch):
+  monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # the child compiles 2-3x faster
   from experiments.bench_vs_fla import main
   rows = main(["--preset", "cpu", "--gdn-only", "--shapes", "1,64,1,16", "--reps", "1", "--profile", "4"])
   out = capsys.readouterr().out
-  assert "gdn, (1, 64, 1, 16), fwd+bwd: device time per step" in out
-  stages = [s for _, s in rows[0]["profiles"]["gdn"]["stages"]]
+  assert "gdn, (1, 64, 1, 16), fwd+bwd: device time per step" in out and "command buffers" not in out, out
+  prof = rows[0]["profiles"]["gdn"]
+  assert "error" not in prof, prof["error"]
+  assert prof["total_us"] > 0 and prof["kernels"] and all(isinstance(k, tuple) for k in prof["kernels"])
+  stages = [s for _, s in prof["stages"]]
   assert any("gated_delta_rule/chunk_local" in s for s in stages), stages
 
 
-def test_bench_model_profiles_the_stages_of_a_training_step(capsys):
+def test_bench_model_profiles_the_stages_of_a_training_step(capsys, monkeypatch):
+  monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # the child compiles 2-3x faster
   from experiments import bench_model
   from tests.test_bench_model import TINY
   rows = bench_model.main(TINY + ["--override", "model.num_layers=2", "--override", "model.pattern=RA",
@@ -66,3 +118,35 @@ def test_bench_model_profiles_the_stages_of_a_training_step(capsys):
   for stage in ("fwd: recurrent/gated_delta_rule", "bwd: attention", "fwd: mlp", "loss"):
     assert stage in stages, stages
   assert "gdn, one training step: device time per step" in capsys.readouterr().out
+
+
+def _traced_by_op(prof: dict) -> None:
+  """A GPU profile traced kernel by kernel: command buffers off, no kernel named by a command buffer, and the
+  kernels mapped to stages of the module."""
+  assert "error" not in prof, prof["error"]
+  assert prof["total_us"] > 0 and prof["command_buffers_off"], {k: v for k, v in prof.items() if k != "kernels"}
+  assert not [k for k in prof["kernels"] if "command_buffer" in k[3]], prof["kernels"][:10]
+  assert {s for _, s in prof["stages"]} != {"(not in the module)"}, prof["stages"]
+
+
+@pytest.mark.gpu
+def test_bench_vs_fla_profiles_both_sides_on_gpu(capsys):
+  """fla traced by torch.profiler in the process, gdn by jax.profiler in a child: both tables filled."""
+  pytest.importorskip("torch")
+  pytest.importorskip("fla")
+  from experiments.bench_vs_fla import main
+  (row,) = main(["--shapes", "2,1024,4,128", "--reps", "2", "--profile", "10"])
+  print(capsys.readouterr().out)
+  assert row["profiles"]["fla"]["total_us"] > 0
+  _traced_by_op(row["profiles"]["gdn"])
+  assert any("chunk_local" in s for _, s in row["profiles"]["gdn"]["stages"])
+
+
+@pytest.mark.gpu
+def test_bench_model_profiles_gdn_by_stage_on_gpu(capsys):
+  from experiments import bench_model
+  from tests.test_bench_model import TINY
+  (row,) = bench_model.main(TINY + ["--override", "model.num_layers=2", "--profile", "10"])
+  print(capsys.readouterr().out)
+  _traced_by_op(row["profile"])
+  assert any(s.startswith("fwd: recurrent") for _, s in row["profile"]["stages"]), row["profile"]["stages"]

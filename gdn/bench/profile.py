@@ -7,6 +7,13 @@ stages the ops and layers name with `jax.named_scope` (`gated_delta_rule/chunk_l
 `short_conv`, ...) add up. `torch_kernel_times` does the same for a PyTorch step (fla's), per kernel. On a GPU
 the kernels are the leaves of the trace; on a CPU a loop's thunk and its body's are both counted, so there the
 shares are a hint.
+
+`jax_profile_in_child` runs the JAX side of a benchmark's profile in a child process of its own (the benchmark
+script again, gdn alone), for two reasons found on an H200: a process has one CUPTI subscriber, and once
+torch.profiler (kineto) has traced fla's step, jax.profiler's trace of the same process comes back empty; and
+XLA:GPU runs most of a step inside CUDA-graph command buffers, whose trace events name the command buffer instead of
+the HLO op, so that no kernel can be traced back to its stage. The child therefore gets
+`--xla_gpu_enable_command_buffer=` (no command buffers) in XLA_FLAGS on a GPU, and the table then says so.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import glob
 import gzip
 import json
 import os
+import subprocess
+import sys
 import tempfile
 
 from gdn.bench.peak import hlo_ops, op_parts
@@ -37,6 +46,72 @@ def stage_of(op_name: str, depth: int = 3) -> str:
             if wrapper != "jit"  # a jitted library function (jax.nn.silu, ...), not a stage
             and name not in _NOT_STAGES and "->" not in name and "," not in name and not name.startswith("_")]
   return f"{side}: " + ("/".join(scopes[:depth]) if scopes else "(no scope)")
+
+
+# The XLA flag that turns off XLA:GPU's command buffers (CUDA graphs): an empty list of command types.
+NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def command_buffers_off(xla_flags: str) -> bool:
+  """Whether an XLA_FLAGS string turns XLA:GPU's command buffers off (its last --xla_gpu_enable_command_buffer=
+  is empty)."""
+  values = [f.split("=", 1)[1] for f in xla_flags.split() if f.startswith(NO_COMMAND_BUFFERS)]
+  return bool(values) and not values[-1].strip("'\"")
+
+
+def child_env(backend: str, env=None) -> dict:
+  """A copy of `env` (default os.environ) for a profiling child: on backend "gpu", XLA_FLAGS gets
+  NO_COMMAND_BUFFERS appended (its flags kept), so that the trace names each kernel's HLO op; on any other
+  backend (no such GPU flag wanted) it is left as it is."""
+  env = dict(os.environ if env is None else env)
+  if backend == "gpu":
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {NO_COMMAND_BUFFERS}".strip()
+  return env
+
+
+def write_profiles(path: str, profiles: list) -> None:
+  """Writes a list of profile dicts (jax_kernel_times') to `path` as JSON, for the parent of a profiling child."""
+  with open(path, "w") as f:
+    json.dump(profiles, f)
+
+
+def read_profiles(path: str) -> list:
+  """The list of profile dicts that write_profiles wrote, with the rows of "kernels" and "stages" tuples again."""
+  with open(path) as f:
+    profiles = json.load(f)
+  for prof in profiles:
+    for key in ("kernels", "stages"):
+      prof[key] = [tuple(row) for row in prof.get(key, [])]
+  return profiles
+
+
+def _tail(text: str, lines: int = 12, chars: int = 3000) -> str:
+  return "\n".join(text.strip().splitlines()[-lines:])[-chars:]
+
+
+def jax_profile_in_child(module: str, argv: list, backend: str | None = None) -> list:
+  """Runs `python -m module *argv --profile-json PATH` from the repository's root (the benchmark script again,
+  told to profile gdn alone and write its profile dicts to PATH with write_profiles) and returns the dicts it
+  wrote. backend: the parent's jax.default_backend() (asked of jax when None); on "gpu" the child runs without
+  command buffers (child_env). A child that fails gives one dict {"error": its exit code and the end of its
+  stderr}, one that exits 0 but writes no profile (the scripts catch a failing shape and print why) one with the
+  end of its stdout; format_times prints it in place of a table."""
+  if backend is None:
+    import jax
+    backend = jax.default_backend()
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "profiles.json")
+    p = subprocess.run([sys.executable, "-m", module, *argv, "--profile-json", path], cwd=ROOT,
+                       env=child_env(backend), capture_output=True, text=True)
+    profiles = read_profiles(path) if p.returncode == 0 and os.path.exists(path) else []
+  if not profiles:
+    why = f"exited with code {p.returncode}" if p.returncode else "exited with code 0 but wrote no profile"
+    streams = [("stderr", p.stderr), ("stdout", p.stdout)][::1 if p.returncode else -1]
+    stream, text = next(((name, text) for name, text in streams if text.strip()), ("output", ""))
+    return [dict(error=f"the profiling child (python -m {module}) {why}"
+                 + (f"; the end of its {stream}:\n{_tail(text)}" if text.strip() else ""))]
+  return profiles
 
 
 def _trace_events(log_dir: str) -> list:
@@ -83,7 +158,9 @@ def jax_kernel_times(step, steps: int = 5, hlo_text: str | None = None) -> dict:
     stages[stage] += us
   return dict(steps=steps, total_us=sum(r[0] for r in rows), kernels=rows,
               stages=sorted(((us, s) for s, us in stages.items()), reverse=True),
-              source=", ".join(sorted(procs[p] for p in devices)) if devices else "host threads (XLA thunks)")
+              source=", ".join(sorted(procs[p] for p in devices)) if devices else "host threads (XLA thunks)",
+              command_buffers_off=jax.default_backend() == "gpu"
+              and command_buffers_off(os.environ.get("XLA_FLAGS", "")))
 
 
 def torch_kernel_times(step, steps: int = 5) -> dict:
@@ -112,9 +189,14 @@ def torch_kernel_times(step, steps: int = 5) -> dict:
 
 
 def format_times(prof: dict, top: int = 20, title: str = "") -> str:
-  """Markdown tables: the stages (where named), then the `top` kernels, time per step and share."""
+  """Markdown tables: the stages (where named), then the `top` kernels, time per step and share. A profile that
+  failed ({"error": ...}, from jax_profile_in_child) is a line saying why, then the end of the child's output."""
+  if "error" in prof:
+    return f"{title}not profiled: {prof['error']}"
   total = prof["total_us"] or 1.0
   source = f"; {prof['source']}" if prof.get("source") else ""
+  if prof.get("command_buffers_off"):
+    source += "; traced with XLA's command buffers off, so kernel by kernel, without the CUDA graphs of a timed step"
   lines = [f"{title}device time per step: {prof['total_us'] / 1e3:.3f} ms (mean of {prof['steps']} steps{source})"]
   if prof["stages"]:
     lines += ["| stage | ms | share |", "|---|---:|---:|"]
