@@ -26,29 +26,12 @@ import json
 import subprocess
 import sys
 
-from experiments.cli import apply_preset
+from experiments.cli import apply_preset, apply_setting, switch_settings
 
 PRESETS = {
     "h200": dict(d_model=2048, heads=16, head_dim=128, tokens=65536, lengths="2048,8192,32768", reps=10),
     "cpu": dict(d_model=64, heads=2, head_dim=16, tokens=256, lengths="128", reps=2),
 }
-
-
-SETTINGS = {"off": False, "on": True, "auto": None}
-
-
-def apply_setting(setting: str) -> None:
-  """Set the module switch `MODULE.NAME=VALUE` (MODULE under gdn, e.g. layers.conv.CONV_VJP=on; VALUE off, on,
-  auto) in this process; '-' sets nothing."""
-  if setting == "-":
-    return
-  import importlib
-  path, value = setting.split("=")
-  module, name = path.rsplit(".", 1)
-  mod = importlib.import_module(f"gdn.{module}")
-  if not hasattr(mod, name) or value not in SETTINGS:
-    raise SystemExit(f"--switch: gdn.{module} has no setting {name!r}, or {value!r} is not one of off, on, auto")
-  setattr(mod, name, SETTINGS[value])
 
 
 def gdn_side(a, T: int, remat: str = "none", local_groups: int = 1) -> dict:
@@ -169,11 +152,8 @@ def main(argv=None) -> list:
     apply_setting(setting)
     print("RESULT " + json.dumps(SIDES[side](a, int(T), remat, int(groups))), flush=True)
     return []
-  settings = ["-"]
-  if a.switch:
-    path, values = a.switch.split("=")
-    settings = [f"{path}={v}" for v in values.split(",")]
-    apply_setting(settings[0])  # fails here, before any worker, if the switch does not exist
+  settings = switch_settings(a.switch)
+  apply_setting(settings[0])  # fails here, before any worker, if the switch does not exist
   gib = lambda r: f"{r['peak'] / 2**30:.2f}" if r.get("peak") else "-"
   ms = lambda r: f"{r['ms']:.2f}" if "ms" in r else r.get("error", "-")
   print(f"# one Gated DeltaNet layer, fwd+bwd: d_model {a.d_model}, {a.heads} heads x {a.head_dim}, {a.tokens} "

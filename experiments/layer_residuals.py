@@ -7,6 +7,7 @@ the compiled step (arguments + outputs + temporaries; --no-compile skips it).
 
   python -m experiments.layer_residuals                      # d_model 256, 2 heads x 128, 4 x 1024 tokens, bf16
   python -m experiments.layer_residuals --dtype float32 --method pallas --length 256 --tokens 512
+  python -m experiments.layer_residuals --remats none --switch ops.intra_chunk.LOWP_SOLVE=off,on   # a row each
 
 At the default shape every per-token quantity is 1/8 of the H200 shape of bench_layer_fla (d_model 2048,
 16 heads x 128: the same K and chunk size, 8x the heads and d_model), so bytes per token x 8 x 65536 are that
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from experiments.cli import apply_setting, switch_settings
 from gdn.bench.residuals import residual_bytes, saved_residuals, summarize
 from gdn.bench.timing import compiled_bytes
 from gdn.config import MIXER_REMATS, recurrent_preset
@@ -53,6 +55,8 @@ def parse_args(argv=None):
   p.add_argument("--remats", default=",".join(MIXER_REMATS), help="comma-separated RecurrentConfig.remat values")
   p.add_argument("--top", type=int, default=6, help="largest residual groups listed per setting")
   p.add_argument("--no-compile", action="store_true", help="skip XLA's estimate (no compilation)")
+  p.add_argument("--switch", metavar="MODULE.NAME=off,on",
+                 help="a module switch under gdn (e.g. ops.intra_chunk.LOWP_SOLVE=off,on): one row per setting")
   return p.parse_args(argv)
 
 
@@ -63,19 +67,26 @@ def main(argv=None) -> list:
   print(f"# one gated_deltanet layer, fwd+bwd: d_model {a.d_model}, {a.heads} heads x {a.head_dim}, {a.tokens} tokens "
         f"a batch, T {a.length}, {a.dtype} activations, float32 parameters, method {a.method}")
   rows = []
-  for remat in a.remats.split(","):
-    loss, params = layer_step(a.d_model, a.heads, a.head_dim, a.method, remat, dtype)
-    res = saved_residuals(loss, params, x)
-    est = None if a.no_compile else compiled_bytes(jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile())
-    rows.append(dict(remat=remat, kept=residual_bytes(res) / a.tokens, estimate=None if est is None else est / a.tokens,
-                     top=summarize(res, a.top)))
+  for setting in switch_settings(a.switch):
+    restore = apply_setting(setting)
+    try:
+      for remat in a.remats.split(","):
+        loss, params = layer_step(a.d_model, a.heads, a.head_dim, a.method, remat, dtype)
+        res = saved_residuals(loss, params, x)
+        est = (None if a.no_compile else
+               compiled_bytes(jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()))
+        rows.append(dict(remat=remat, setting=setting, kept=residual_bytes(res) / a.tokens,
+                         estimate=None if est is None else est / a.tokens, top=summarize(res, a.top)))
+    finally:
+      restore()
+  label = lambda r: r["remat"] + (f", {r['setting'].split('.')[-1]}" if a.switch else "")
   print("| remat | kept for the backward, bytes/token | XLA estimate of the step, bytes/token |")
   print("|---|---:|---:|")
   for r in rows:
     est = "-" if r["estimate"] is None else f"{r['estimate']:,.0f}"
-    print(f"| {r['remat']} | {r['kept']:,.0f} | {est} |")
+    print(f"| {label(r)} | {r['kept']:,.0f} | {est} |")
   for r in rows:
-    print(f"\nremat={r['remat']}: largest kept (bytes/token, count, shape, dtype, made by)")
+    print(f"\nremat={label(r)}: largest kept (bytes/token, count, shape, dtype, made by)")
     for b, n, shape, dt, what in r["top"]:
       print(f"  {b / a.tokens:8,.0f}  {n} x {shape} {dt}  {what}")
   return rows

@@ -37,6 +37,12 @@ LOCAL_GROUPS = 1
 # `local`. Read at trace time (`local` reads it, so every caller differentiating `local` follows it: "chunk",
 # "pallas" through `pallas_local`'s reference VJP, `grouped`). Off until timed on a GPU.
 LOCAL_VJP = False
+# The W/U solve's operands with 16-bit q, k, v (blocked solver, per-head beta): True, the right-hand sides
+# [beta k_dec, beta v] and the inverse T rounded to the inputs' dtype before their matmul (products exact and
+# accumulated in float32, as `mm`), so the two [L, C, K + V] and [L, C, C] arrays the backward keeps, the inverse's
+# own VJP residual included, and their cotangents are 16-bit; False, both float32. float32 and float64 inputs are
+# unaffected. Read at trace time, like LOCAL_VJP. Off until timed on a GPU.
+LOWP_SOLVE = False
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -152,7 +158,8 @@ def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "block
 
 
 def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str):
-  """`local`'s forward: (Local, T), T = (I + Diag(beta) A)^{-1} [L, C, C] from the blocked solver, else None."""
+  """`local`'s forward: (Local, T), T = (I + Diag(beta) A)^{-1} [L, C, C] from the blocked solver (float32, or the
+  16-bit inputs' dtype with LOWP_SOLVE), else None."""
   odt = k.dtype
   dot = _dot(prec)
   C = k.shape[-2]
@@ -190,11 +197,14 @@ def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str):
   if beta_kind == "channel":
     return out(A, None, v), None
   b = beta[..., None]
-  rhs = jnp.concatenate([b * k_dec, b * v], axis=-1)
+  # The solve's operand dtype: 16-bit inputs' with LOWP_SOLVE, else None (as computed: float32 or float64).
+  sdt = odt if LOWP_SOLVE and solver == "blocked" and jnp.dtype(odt).itemsize == 2 else None
+  lo = lambda x: x if sdt is None else x.astype(sdt)
+  rhs = jnp.concatenate([lo(b * k_dec), lo(b * v)], axis=-1)
   T = None
   if solver == "blocked":
-    T = invert_unit_lower(b * A, prec)
-    X = jnp.einsum("...ti,...ix->...tx", T, rhs, precision=prec)
+    T = invert_unit_lower(b * A, prec, dtype=sdt)
+    X = mm("...ti,...ix->...tx", T, rhs, precision=prec)
   else:
     X = solve_unit_lower(b * A, rhs)
   K = k.shape[-1]
@@ -227,9 +237,10 @@ def _local_own_vjp(prec, q, k, v, g, beta, masks):
 
 def _local_fwd(prec, q, k, v, g, beta, masks):
   """Saves the inputs (q, k, v in their 16-bit or float32 dtype, g, beta, the boolean masks) and the inverse T
-  [L, C, C] (float32), nothing else: T is the one intermediate that costs more than a matmul to remake (the
-  blocked substitution); the decays (elementwise), A and P (k k^T, q k^T: one [C, C, K] matmul each) are
-  recomputed, which keeps two float32 [L, C, C] and every float32 [L, C, K] intermediate out of memory."""
+  [L, C, C] (float32; 16-bit with LOWP_SOLVE and 16-bit inputs), nothing else: T is the one intermediate that costs
+  more than a matmul to remake (the blocked substitution); the decays (elementwise), A and P (k k^T, q k^T: one
+  [C, C, K] matmul each) are recomputed, which keeps two float32 [L, C, C] and every float32 [L, C, K] intermediate
+  out of memory."""
   loc, T = _local(q, k, v, g, beta, masks, beta_kind="head", prec=prec, solver="blocked")
   return loc, (q, k, v, g, beta, masks, T)
 
@@ -259,7 +270,7 @@ def _local_bwd(prec, res, ct):
   # drops the barrier (docs/benchmarks.md, LOCAL_VJP): there the backward forms no float32 [C, K] copy to hoist.
   res, ct = jax.lax.optimization_barrier((res, ct))
   q, k, v, g, beta, masks, T = res
-  cdt, odt = T.dtype, k.dtype
+  cdt, odt = jnp.promote_types(jnp.float32, T.dtype), k.dtype
   dot = _dot(prec)
   C = k.shape[-2]
   incl = jnp.tril(jnp.ones((C, C), bool))
@@ -281,7 +292,7 @@ def _local_bwd(prec, res, ct):
   # no float32 copy of R is formed, and its key and value halves stay apart.
   col = lambda x: jnp.swapaxes(x, -1, -2)
   dT = (dot("...tk,...ik->...ti", ct.W, k) * col(e_kd) + dot("...tv,...iv->...ti", ct.U, v)) * col(b)
-  (dM,) = _invert_unit_lower_bwd(prec, None, T, dT)
+  dM = _inverse_ct(T, dT, prec, cdt)
   dRw, dRu = dot("...ti,...tk->...ik", T, f(ct.W)), dot("...ti,...tv->...iv", T, f(ct.U))
   dbeta = (jnp.sum(dM * A, axis=-1) + jnp.sum(dRw * k, axis=-1) * e_kd[..., 0] + jnp.sum(dRu * v, axis=-1))
   # The pairwise products and decays.
@@ -320,32 +331,44 @@ def solve_unit_lower(L, rhs):
 INVERSE_VJP = True
 
 
-def invert_unit_lower(L, prec, block: int = 16):
+def invert_unit_lower(L, prec, block: int = 16, dtype=None):
   """(I + L)^{-1} [.., C, C] for strictly lower-triangular L, by forward substitution inside diagonal blocks
   of `block` rows, then merging pairs of diagonal blocks with matmuls:
   [[A, 0], [X, D]]^{-1} = [[A^-1, 0], [-D^-1 X A^-1, D^-1]]. Exact algebra, like a triangular solve, but
-  made of batched matmuls, which is what GPUs run fast.
+  made of batched matmuls, which is what GPUs run fast. Computed in L's dtype, returned in `dtype` (None: L's).
 
   With INVERSE_VJP its VJP is the inverse's own, dL = -T^T dT T^T on the strictly lower triangle (the only
-  entries read): two batched matmuls from the saved T, instead of differentiating the forward substitution's
-  row-by-row updates, which autodiff turns into a chain of small kernels as long as the block."""
-  return (_inverse_own_vjp if INVERSE_VJP else _invert_unit_lower)(L, prec, block)
+  entries read): two batched matmuls from the saved T (the returned one, so a 16-bit `dtype` saves it in 16 bits),
+  instead of differentiating the forward substitution's row-by-row updates, which autodiff turns into a chain of
+  small kernels as long as the block."""
+  dtypes = (jnp.dtype(L.dtype), jnp.dtype(L.dtype if dtype is None else dtype))
+  if INVERSE_VJP:
+    return _inverse_own_vjp(L, prec, block, dtypes)
+  return _invert_unit_lower(L, prec, block).astype(dtypes[1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _inverse_own_vjp(L, prec, block):
-  return _invert_unit_lower(L, prec, block)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _inverse_own_vjp(L, prec, block, dtypes):
+  return _invert_unit_lower(L, prec, block).astype(dtypes[1])
 
 
-def _invert_unit_lower_fwd(L, prec, block):
-  T = _invert_unit_lower(L, prec, block)
+def _invert_unit_lower_fwd(L, prec, block, dtypes):
+  T = _invert_unit_lower(L, prec, block).astype(dtypes[1])
   return T, T
 
 
-def _invert_unit_lower_bwd(prec, block, T, dT):
+def _invert_unit_lower_bwd(prec, block, dtypes, T, dT):
+  return (_inverse_ct(T, dT, prec, dtypes[0]),)
+
+
+def _inverse_ct(T, dT, prec, dtype):
+  """The inverse's VJP from T = (I + L)^{-1} and its cotangent: dL = -T^T dT T^T on the strictly lower triangle,
+  in `dtype`; a 16-bit T (and dT) is widened to float32 first, so the products accumulate there."""
   C = T.shape[-1]
-  dL = -jnp.einsum("...ji,...jk,...lk->...il", T, dT.astype(T.dtype), T, precision=prec)
-  return (jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), dL, 0.0).astype(T.dtype),)
+  cdt = jnp.promote_types(jnp.float32, T.dtype)
+  T = T.astype(cdt)
+  dL = -jnp.einsum("...ji,...jk,...lk->...il", T, dT.astype(cdt), T, precision=prec)
+  return jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), dL, 0.0).astype(dtype)
 
 
 _inverse_own_vjp.defvjp(_invert_unit_lower_fwd, _invert_unit_lower_bwd)
