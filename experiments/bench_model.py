@@ -5,6 +5,9 @@
   # compile time and step time vs depth, scanned against unrolled layers
   python -m experiments.bench_model --config configs/lm_paper.py:gdn-1.3b --batch 8 --seq-len 4096 \
       --depths 4,12,24,48
+  # gdn with a module switch set (one row; run it again without to compare)
+  python -m experiments.bench_model --config configs/lm_paper.py:gdn-340m --batch 8 --seq-len 4096 --fla off \
+      --switch ops.pallas_chunk.BWD_STATES=on
   # CPU, a tiny model (fla needs CUDA and is skipped)
   python -m experiments.bench_model --config configs/lm_paper.py:hybrid-340m --batch 2 --seq-len 64 \
       --override model.d_model=64 --override model.num_layers=4 --override model.recurrent.head_dim=16 \
@@ -57,6 +60,9 @@ def parse_args(argv=None):
   p.add_argument("--config", default="configs/lm_paper.py:gdn-340m", help="a config file spec (FILE.py[:ARG])")
   p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                  help="any config key, e.g. model.remat=dots (repeatable)")
+  p.add_argument("--switch", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                 help="a module switch under gdn for gdn's side, VALUE off, on or auto, e.g. "
+                      "ops.pallas_chunk.BWD_STATES=on (repeatable)")
   p.add_argument("--batch", type=int, default=8, help="sequences a step")
   p.add_argument("--seq-len", type=int, default=4096)
   p.add_argument("--warmup", type=int, default=2, help="untimed steps, the first of which compiles")
@@ -141,7 +147,8 @@ def gdn_profile_in_child(a) -> dict:
 
   argv = ["--fla", "off", "--config", a.config, "--batch", str(a.batch), "--seq-len", str(a.seq_len),
           "--warmup", str(a.warmup), "--steps", str(a.steps), "--profile", str(a.profile)]
-  return jax_profile_in_child("experiments.bench_model", argv + [f"--override={o}" for o in a.override])[0]
+  argv += [f"--override={o}" for o in a.override] + [f"--switch={w}" for w in a.switch]
+  return jax_profile_in_child("experiments.bench_model", argv)[0]
 
 
 def fla_model(cfg):
@@ -245,9 +252,22 @@ def cells(r, flop_per_step, tokens_per_step, peak_tflops) -> str:
 
 
 def main(argv=None) -> list:
-  """Prints the table; returns its rows as dicts."""
+  """Prints the table; returns its rows as dicts. The --switch settings hold while gdn's step is traced (fla's
+  side has none) and are put back after."""
   a = parse_args(argv)
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  from experiments.cli import apply_setting
+
+  restores = [apply_setting(setting) for setting in a.switch]
+  try:
+    return measure(a)
+  finally:
+    for restore in reversed(restores):
+      restore()
+
+
+def measure(a) -> list:
+  """`main`'s table for the parsed arguments `a`."""
   import jax
 
   from gdn.bench.model_flops import H200_BF16_TFLOPS, param_count, train_flops_per_token
@@ -259,7 +279,8 @@ def main(argv=None) -> list:
   dev = jax.devices()[0]
   n_tok = a.batch * a.seq_len
   n_layers = "each row's" if a.depths else m.num_layers
-  print(f"# {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}; {a.config} {' '.join(a.override)}: "
+  spec = " ".join([a.config] + a.override) + "".join(f"; gdn switch {w}" for w in a.switch)
+  print(f"# {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}; {spec}: "
         f"{m.pattern} x {n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}, {m.dtype} compute, "
         f"remat {m.remat}, method {m.recurrent.method}; {a.batch} x {a.seq_len} tokens a step; "
         f"{a.warmup} warm-up steps, median of {a.steps}; MFU against {peak_tflops:g} TFLOP/s")

@@ -37,6 +37,21 @@ def test_main_and_depths_tiny(capsys, fast_compile):
   assert scan["compile_s"] > 0 and scan["params"] == unrolled["params"]
 
 
+def test_switch_holds_for_the_run_and_is_put_back(capsys, fast_compile, monkeypatch):
+  """--switch sets a module switch under gdn for gdn's run (the header names it) and restores it after; an
+  unknown switch stops the script before anything runs."""
+  from gdn.ops import pallas_chunk
+
+  seen = []
+  run_gdn = bench_model.run_gdn
+  monkeypatch.setattr(bench_model, "run_gdn", lambda *args: (seen.append(pallas_chunk.BWD_STATES), run_gdn(*args))[1])
+  rows = bench_model.main(TINY + ["--override", "model.num_layers=1", "--switch", "ops.pallas_chunk.BWD_STATES=on"])
+  assert seen == [True] and pallas_chunk.BWD_STATES is False and np.isfinite(rows[0]["loss"])
+  assert "gdn switch ops.pallas_chunk.BWD_STATES=on" in capsys.readouterr().out
+  with pytest.raises(SystemExit, match="no setting"):
+    bench_model.main(TINY + ["--switch", "ops.pallas_chunk.NO_SUCH=on"])
+
+
 def test_fla_model_matches_parameter_count():
   torch = pytest.importorskip("torch")
   pytest.importorskip("fla")
