@@ -21,7 +21,7 @@ OUTPUT_GATES = ("none", "silu", "sigmoid")
 QK_NORMS = ("none", "l2")
 LAYER_KINDS = {"R": "recurrent", "M": "mamba2", "A": "attention", "W": "sliding_window"}
 MLP_KINDS = {"D": "dense", "M": "moe"}
-REMATS = ("none", "dots", "full")
+REMATS = ("none", "dots", "dots_states", "full")
 MIXER_REMATS = ("none", "op", "layer")
 
 
@@ -215,8 +215,9 @@ class ModelConfig:
   # one `lax.scan` (compiled once whatever the depth); the num_layers % len(pattern) left over run unrolled after.
   scan_layers: bool = False
   # Rematerialisation in the backward pass, per block (unrolled) or per scanned group: "none" keeps every
-  # activation, "dots" keeps only matmul outputs without batch dimensions (the projections), "full" keeps only
-  # each unit's input.
+  # activation, "dots" keeps only matmul outputs without batch dimensions (the projections), "dots_states" those
+  # and the chunked recurrence's per-chunk states and write vectors (its sequential pass is not run again), "full"
+  # keeps only each unit's input.
   remat: str = "none"
 
   def __post_init__(self):

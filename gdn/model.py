@@ -27,6 +27,7 @@ from gdn.layers.mlp import SwiGLU, hidden_size
 from gdn.layers.moe import Experts, MoE, load_balancing_loss
 from gdn.layers.norms import RMSNorm
 from gdn.layers.recurrent import RecurrentMixer
+from gdn.ops.chunk import STATES, WRITES
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -263,8 +264,14 @@ class LanguageModel(nnx.Module):
 
 
 # None of them: every activation is kept. "dots": matmul outputs without batch dimensions (the projections and
-# MLPs; attention's and the chunked recurrence's batched products are recomputed). "full": nothing inside a unit.
+# MLPs; attention's and the chunked recurrence's batched products are recomputed). "dots_states": those, and the
+# chunked recurrence's per-chunk states and write vectors (the state pass's results, `chunk.STATES` and
+# `chunk.WRITES`), so that its sequential pass is not run again in the backward; the chunk-local work still is.
+# "full": nothing inside a unit.
 REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  "dots_states": jax.checkpoint_policies.save_from_both_policies(
+                      jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                      jax.checkpoint_policies.save_only_these_names(STATES, WRITES)),
                   "full": jax.checkpoint_policies.nothing_saveable}
 
 

@@ -122,6 +122,34 @@ def test_logits_and_gradients_match_unrolled_under_every_remat():
     _assert_close(grads if scan else _grads_as_scanned(model, grads), ref)
 
 
+def test_dots_states_keeps_the_state_pass_results():
+  """remat="dots_states" keeps the state pass's per-chunk states and write vectors: the backward runs the Pallas
+  forward kernel no second time (with "dots" it does, once per layer), and logits and gradients are those of the
+  model without remat, unrolled and scanned (the chunk form too)."""
+  import sys
+  sys.path.insert(0, os.path.dirname(__file__))
+  from test_pallas import equations
+
+  tokens = _tokens()
+  for method in ("pallas", "chunk"):
+    rec = dataclasses.replace(_cfg().recurrent, method=method)
+    cfg = _cfg(pattern="R", num_layers=2, recurrent=rec)
+    reference = LanguageModel(cfg, rngs=nnx.Rngs(0))
+    logits_ref, grads_ref = _loss_and_grads(reference, tokens, None)
+    for scan in (False, True):
+      model = LanguageModel(dataclasses.replace(cfg, remat="dots_states", scan_layers=scan), rngs=nnx.Rngs(0))
+      logits, grads = _loss_and_grads(model, tokens, None)
+      np.testing.assert_allclose(logits, logits_ref, rtol=2e-5, atol=2e-5)
+      _assert_close(grads, _grads_as_scanned(reference, grads_ref) if scan else grads_ref)
+  for remat, want in (("dots", 4), ("dots_states", 2)):
+    model = LanguageModel(_cfg(pattern="R", num_layers=2, remat=remat,
+                               recurrent=dataclasses.replace(_cfg().recurrent, method="pallas")), rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    loss = lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(tokens) ** 2)
+    names = [e.params["name"] for e in equations(jax.make_jaxpr(jax.grad(loss))(params))]
+    assert names.count("gdn_chunk_states_fwd") == want and names.count("gdn_chunk_states_bwd") == 2, (remat, names)
+
+
 @nnx.jit
 def _prefill_decode(model, tokens):
   """Two prefill pieces and a decode step from an empty cache: logits [B, T, Vocab]."""

@@ -15,6 +15,7 @@ from gdn.ops import checks, intra_chunk
 from gdn.ops.recurrent import expand_heads, reset_flags
 
 STATES = "gdn_chunk_states"  # checkpoint name of the per-chunk entering states: all the backward keeps
+WRITES = "gdn_chunk_writes"  # checkpoint name of the per-chunk write vectors U, the state pass's other result
 # 16-bit callers get 16-bit chunk-local operands (q, k, v in, and q_dec, k_dec, k_end, P, W, U out; products
 # accumulate in float32, decays, gates, the triangular inverse and the state stay float32). False: float32 throughout.
 BF16_LOCAL = True
@@ -278,7 +279,7 @@ def chunk(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.D
       O, S_T = _output_pass(prec, loc.q_dec, loc.P, loc.U, loc.W, loc.k_end, loc.decay, S0)
       return unchunk(O, dims, chunk_size), S_T
     S_T, S_in, U = scan_chunks(loc, bc, S0, prec)
-    S_in = checkpoint_name(S_in, STATES)
+    S_in, U = checkpoint_name(S_in, STATES), checkpoint_name(U, WRITES)
     return finish(loc, S_in, U, prec, dims, chunk_size), S_T
 
   if remat:

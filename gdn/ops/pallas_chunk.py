@@ -59,13 +59,14 @@ from typing import Optional
 import jax
 import jax.custom_batching
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gdn.ops import checks, intra_chunk, pallas_local
-from gdn.ops.chunk import chunk_outputs, finish, initial, isolate_segments, prepare, unchunk
+from gdn.ops.chunk import STATES, WRITES, chunk_outputs, finish, initial, isolate_segments, prepare, unchunk
 from gdn.ops.pallas_common import default_interpret, kernel_precision
 from gdn.ops.pallas_common import pow2 as _pow2
 
@@ -554,6 +555,9 @@ def _state_pass(cfg: Config, U0, W, k_end, decay, S0, A=None, beta=None):
 
 def _state_pass_fwd(cfg, U0, W, k_end, decay, S0, A=None, beta=None):
   S_in, U, S_T = _forward(cfg, U0, W, k_end, decay, S0, A=A, beta=beta)
+  # Named, so that a remat policy can keep the kernel's results (`gdn.model`'s "dots_states") rather than run the
+  # kernel again in the backward.
+  S_in, U = checkpoint_name(S_in, STATES), checkpoint_name(U, WRITES)
   return (S_in, U, S_T), (W, k_end, decay, S_in, U) + ((U0, A, beta) if cfg.channel else ())
 
 
