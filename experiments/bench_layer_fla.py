@@ -13,6 +13,8 @@ the process's. Rows keep the tokens per batch fixed (B = tokens // T).
   python -m experiments.bench_layer_fla --lengths 8192 --method pallas --local-groups 1,4,8      # a row each
   python -m experiments.bench_layer_fla --lengths 8192 --method pallas --peak 25   # what each side keeps
   python -m experiments.bench_layer_fla --lengths 8192 --method pallas --switch layers.conv.CONV_VJP=off,on
+  python -m experiments.bench_layer_fla --lengths 8192 --method pallas --peak 25 \
+      --switch ops.intra_chunk.LOWP_SOLVE=off,on --switch ops.intra_chunk.LOCAL_VJP=off,on   # four gdn rows
   python -m experiments.bench_layer_fla --preset cpu --sides gdn          # a CPU smoke run (fla needs CUDA)
 
 fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (a numerics guard); for timing only the
@@ -26,7 +28,7 @@ import json
 import subprocess
 import sys
 
-from experiments.cli import apply_preset, apply_setting, switch_settings
+from experiments.cli import apply_preset, apply_setting, setting_label, switch_settings
 
 PRESETS = {
     "h200": dict(d_model=2048, heads=16, head_dim=128, tokens=65536, lengths="2048,8192,32768", reps=10),
@@ -125,8 +127,9 @@ def parse_args(argv=None):
   p.add_argument("--peak", type=int, default=0, metavar="N",
                  help="also list the N largest groups of buffers live at gdn's memory peak (XLA's buffer assignment, "
                       "gdn.bench.peak) and of the tensors fla's autograd keeps for the backward")
-  p.add_argument("--switch", metavar="MODULE.NAME=off,on",
-                 help="a module switch under gdn (e.g. layers.conv.CONV_VJP=off,on): one gdn row per setting")
+  p.add_argument("--switch", action="append", metavar="MODULE.NAME=off,on",
+                 help="a module switch under gdn (e.g. layers.conv.CONV_VJP=off,on): one gdn row per setting; "
+                      "repeated, one row per combination")
   p.add_argument("--worker", nargs=5, metavar=("SIDE", "T", "REMAT", "GROUPS", "SETTING"), help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   return apply_preset(a, PRESETS[a.preset], "lengths")
@@ -170,7 +173,7 @@ def main(argv=None) -> list:
       g = measure("gdn", T, remat, argv, groups, setting) if "gdn" in a.sides else {}
       ratio = f"{g['ms'] / f['ms']:.2f}x" if "ms" in g and "ms" in f else "-"
       est = f"{g['estimate'] / 2**30:.2f}" if g.get("estimate") else "-"
-      cell = f" | {setting.split('.')[-1]}" if a.switch else ""
+      cell = f" | {setting_label(setting)}" if a.switch else ""
       print(f"| {T} | {a.tokens // T} | {remat} | {groups}{cell} | {ms(g)} | {ms(f)} | {ratio} | {gib(g)} | {gib(f)} | "
             f"{est} |", flush=True)
       rows.append(dict(T=T, remat=remat, local_groups=groups, setting=setting,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import itertools
 
 SETTINGS = {"off": False, "on": True, "auto": None}
 
@@ -18,24 +19,40 @@ def apply_preset(args, preset: dict, list_key: str):
   return args
 
 
-def switch_settings(spec):
-  """The settings `apply_setting` takes for a --switch `MODULE.NAME=a,b` (['-'] for none): [MODULE.NAME=a, ...]."""
-  if not spec:
+def switch_settings(specs):
+  """The settings `apply_setting` takes for --switch `MODULE.NAME=a,b` (a spec, or a list of them for a repeated
+  --switch: every combination of their values, joined by '+'); ['-'] for none."""
+  if not specs:
     return ["-"]
-  path, values = spec.split("=")
-  return [f"{path}={v}" for v in values.split(",")]
+  specs = [specs] if isinstance(specs, str) else specs
+  per_switch = []
+  for spec in specs:
+    path, values = spec.split("=")
+    per_switch.append([f"{path}={v}" for v in values.split(",")])
+  return ["+".join(combo) for combo in itertools.product(*per_switch)]
+
+
+def setting_label(setting: str) -> str:
+  """A setting's short form for tables: 'LOWP_SOLVE=on+LOCAL_VJP=on' for the module paths of both."""
+  return "+".join(part.split(".")[-1] for part in setting.split("+"))
 
 
 def apply_setting(setting: str):
-  """Set the module switch `MODULE.NAME=VALUE` (MODULE under gdn, e.g. layers.conv.CONV_VJP=on; VALUE off, on,
-  auto) in this process; '-' sets nothing. Returns a function that puts the previous value back."""
+  """Set the module switches of `setting`, 'MODULE.NAME=VALUE' joined by '+' (MODULE under gdn, e.g.
+  layers.conv.CONV_VJP=on; VALUE off, on, auto) in this process; '-' sets nothing. Returns a function that puts
+  the previous values back."""
   if setting == "-":
     return lambda: None
-  path, value = setting.split("=")
-  module, name = path.rsplit(".", 1)
-  mod = importlib.import_module(f"gdn.{module}")
-  if not hasattr(mod, name) or value not in SETTINGS:
-    raise SystemExit(f"--switch: gdn.{module} has no setting {name!r}, or {value!r} is not one of off, on, auto")
-  before = getattr(mod, name)
-  setattr(mod, name, SETTINGS[value])
-  return lambda: setattr(mod, name, before)
+  restores = []
+  for part in setting.split("+"):
+    path, value = part.split("=")
+    module, name = path.rsplit(".", 1)
+    mod = importlib.import_module(f"gdn.{module}")
+    if not hasattr(mod, name) or value not in SETTINGS:
+      for restore in reversed(restores):
+        restore()
+      raise SystemExit(f"--switch: gdn.{module} has no setting {name!r}, or {value!r} is not one of off, on, auto")
+    before = getattr(mod, name)
+    setattr(mod, name, SETTINGS[value])
+    restores.append(lambda mod=mod, name=name, before=before: setattr(mod, name, before))
+  return lambda: [restore() for restore in reversed(restores)]

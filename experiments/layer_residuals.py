@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from experiments.cli import apply_setting, switch_settings
+from experiments.cli import apply_setting, setting_label, switch_settings
 from gdn.bench.residuals import residual_bytes, saved_residuals, summarize
 from gdn.bench.timing import compiled_bytes
 from gdn.config import MIXER_REMATS, recurrent_preset
@@ -55,8 +55,9 @@ def parse_args(argv=None):
   p.add_argument("--remats", default=",".join(MIXER_REMATS), help="comma-separated RecurrentConfig.remat values")
   p.add_argument("--top", type=int, default=6, help="largest residual groups listed per setting")
   p.add_argument("--no-compile", action="store_true", help="skip XLA's estimate (no compilation)")
-  p.add_argument("--switch", metavar="MODULE.NAME=off,on",
-                 help="a module switch under gdn (e.g. ops.intra_chunk.LOWP_SOLVE=off,on): one row per setting")
+  p.add_argument("--switch", action="append", metavar="MODULE.NAME=off,on",
+                 help="a module switch under gdn (e.g. ops.intra_chunk.LOWP_SOLVE=off,on): one row per setting; repeated, "
+                      "one row per combination")
   return p.parse_args(argv)
 
 
@@ -79,7 +80,7 @@ def main(argv=None) -> list:
                          estimate=None if est is None else est / a.tokens, top=summarize(res, a.top)))
     finally:
       restore()
-  label = lambda r: r["remat"] + (f", {r['setting'].split('.')[-1]}" if a.switch else "")
+  label = lambda r: r["remat"] + (f", {setting_label(r['setting'])}" if a.switch else "")
   print("| remat | kept for the backward, bytes/token | XLA estimate of the step, bytes/token |")
   print("|---|---:|---:|")
   for r in rows:

@@ -1,0 +1,31 @@
+"""The benchmark scripts' --switch helpers (experiments/cli.py): settings, labels, setting and putting back."""
+
+import pytest
+
+from experiments.cli import apply_setting, setting_label, switch_settings
+from gdn.ops import intra_chunk
+
+
+def test_switch_settings_combine_repeated_switches():
+  assert switch_settings(None) == ["-"] and switch_settings([]) == ["-"]
+  assert switch_settings("ops.intra_chunk.LOWP_SOLVE=off,on") == ["ops.intra_chunk.LOWP_SOLVE=off",
+                                                                   "ops.intra_chunk.LOWP_SOLVE=on"]
+  both = switch_settings(["ops.intra_chunk.LOWP_SOLVE=off,on", "ops.intra_chunk.LOCAL_VJP=on"])
+  assert both == ["ops.intra_chunk.LOWP_SOLVE=off+ops.intra_chunk.LOCAL_VJP=on",
+                  "ops.intra_chunk.LOWP_SOLVE=on+ops.intra_chunk.LOCAL_VJP=on"]
+  assert setting_label(both[1]) == "LOWP_SOLVE=on+LOCAL_VJP=on"
+
+
+def test_apply_setting_sets_every_part_and_puts_them_back():
+  before = (intra_chunk.LOWP_SOLVE, intra_chunk.LOCAL_VJP)
+  restore = apply_setting("ops.intra_chunk.LOWP_SOLVE=on+ops.intra_chunk.LOCAL_VJP=on")
+  assert (intra_chunk.LOWP_SOLVE, intra_chunk.LOCAL_VJP) == (True, True)
+  restore()
+  assert (intra_chunk.LOWP_SOLVE, intra_chunk.LOCAL_VJP) == before
+  apply_setting("-")()  # nothing set, nothing to put back
+  # A bad part names itself, and the parts set before it are put back.
+  with pytest.raises(SystemExit, match="no setting 'NO_SUCH'"):
+    apply_setting("ops.intra_chunk.LOWP_SOLVE=on+ops.intra_chunk.NO_SUCH=on")
+  with pytest.raises(SystemExit, match="'maybe' is not one of"):
+    apply_setting("ops.intra_chunk.LOCAL_VJP=maybe")
+  assert (intra_chunk.LOWP_SOLVE, intra_chunk.LOCAL_VJP) == before
