@@ -243,6 +243,25 @@ def test_backward_states_kernel_lowers_to_triton(monkeypatch):
   assert hlo.count("__gpu$xla.gpu.triton") == 2 and "gdn_chunk_dstates_bwd" in hlo
 
 
+def test_wide_keys_against_oracle_and_launch(monkeypatch):
+  """WIDE_KEYS at K > 128 (K = 160, padded to 256): value blocks of 32 and eight warps, float32 against the float64
+  oracle with both backward kernels; lowered for CUDA, each state-pass kernel has that launch."""
+  from gdn.bench.kernel_resources import triton_kernels
+
+  monkeypatch.setattr(pallas_chunk, "WIDE_KEYS", True)
+  x = make_inputs(33, 1, 40, 1, 2, 160, 40, "head", "head", segments=True)
+  for bwd_states in (False, True):
+    monkeypatch.setattr(pallas_chunk, "BWD_STATES", bwd_states)
+    assert_close(run_pallas(x, chunk_size=16), oracle(x), 1e-5, f"wide keys, BWD_STATES={bwd_states}")
+    x_bf, _ = bfloat16_inputs(x)
+    diff = {n: jnp.asarray(x_bf[n]) for n in DIFF_ARGS}
+    co = (jnp.ones((1, 40, 2, 40), jnp.bfloat16), jnp.ones((1, 2, 160, 40)))
+    kernels = triton_kernels(_fwd_bwd(tuple(sorted(diff)), 16, None, False, False, bwd_states), diff, None, co)
+    assert [(k.name, k.grid, k.num_warps) for k in kernels if k.name != "gdn_chunk_local"] == [
+        ("gdn_chunk_states_fwd", (2, 2, 1), 8),
+        ("gdn_chunk_dstates_bwd" if bwd_states else "gdn_chunk_states_bwd", (2, 2, 1), 8)], kernels
+
+
 def _gpu_inputs(seed, dtype, g_kind="head", beta_kind="head"):
   """(inputs, the oracle's inputs) at a realistic shape: B = 2, T = 1024, H = 4, K = V = 128, with segments."""
   x = make_inputs(seed, 2, 1024, 4, 4, 128, 128, g_kind, beta_kind, segments=True)

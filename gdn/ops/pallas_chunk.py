@@ -95,6 +95,12 @@ SUB = 16  # rows of a block of the per-value-channel solve (`_channel_solve`): T
 # partial sums [L, V / BV, N, Cp, Kp] that XLA adds up: at K = 256, V = 512 (the 340M model) eight of them per
 # chunk. Off until timed on a GPU (docs/benchmarks.md).
 BWD_STATES = False
+# Launch settings for keys wider than 128 (the paper models' head dim 256): True, value blocks of 32 and eight
+# warps for the forward and dS kernels (two pipeline stages on bfloat16 operands), which offline for sm_90 (Triton
+# 3.9, ptxas -v, bfloat16, K = 256, V = 512; `experiments/kernel_resources.py`) spill nothing, where today's blocks of
+# 64 at four warps spill 400-800 bytes in every state-pass kernel. False, the K = 128 settings at every width.
+# Off until timed on a GPU (docs/benchmarks.md).
+WIDE_KEYS = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +117,7 @@ class Config:
   channel: bool = False  # per-value-channel beta: the W slot holds k_dec, and A and beta come too (`_channel_solve`)
   states_bwd: bool = False  # BWD_STATES: the backward kernel writes dS per chunk; dW, dk_end, ddecay in XLA
   xla_prec: Optional[jax.lax.Precision] = None  # the caller's precision, for those products in XLA
+  wide: bool = False  # WIDE_KEYS at Kp > 128: eight warps where a state-sized block lives in registers
 
 
 def _dot(a, b, ta: bool, tb: bool, prec):
@@ -346,10 +353,10 @@ def _forward_call(cfg: Config, U0, W, k_end, decay, S0, q_dec=None, P=None, A=No
                    + 4 * cfg.channel * (Cp * Cp + Cp * BV))
     stages = 2 if stage_bytes <= 80 * 1024 else 1
   else:
-    stages = 2 if Cp * Kp <= 64 * 128 and BV <= 64 else 1
+    stages = _plain_stages(cfg, Cp, Kp, BV)
   res = _call(functools.partial(_forward_kernel, cfg=cfg, N=N), cfg, (L, Vp // BV), [_rows(x) for x in ins],
-              in_specs, outs, out_specs, "gdn_chunk_output_fwd" if cfg.output else "gdn_chunk_states_fwd", 4,
-              stages)
+              in_specs, outs, out_specs, "gdn_chunk_output_fwd" if cfg.output else "gdn_chunk_states_fwd",
+              8 if cfg.wide else 4, stages)
   return tuple(_unrows(r, B) for r in res)
 
 
@@ -388,6 +395,15 @@ def _backward_call(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0=No
   return tuple(_unrows(r, B) for r in [dU0] + [p.sum(1) for p in parts] + [dS0] + dbeta)
 
 
+def _plain_stages(cfg: Config, Cp: int, Kp: int, BV: int) -> int:
+  """Pipeline stages of the forward (without the output or the per-channel solve) and dS kernels: two where one
+  stage's W, k_end and value block fit as at K = 128, C = BV = 64, or (WIDE_KEYS) on bfloat16 operands with value
+  blocks of 32 (about 156 KiB of shared memory at K = 256, C = 64); else one."""
+  if cfg.wide:
+    return 2 if cfg.operands == "bfloat16" and BV <= 32 else 1
+  return 2 if Cp * Kp <= 64 * 128 and BV <= 64 else 1
+
+
 def _backward_states_call(cfg: Config, W, k_end, decay, dS_in, dU, dS_T):
   """BWD_STATES' backward kernel on operands [B, HV, ...]: (dU0, dS, dS0) [B, HV, ...], dS [.., N, Kp, Vp] in
   the operand dtype."""
@@ -401,9 +417,9 @@ def _backward_states_call(cfg: Config, W, k_end, decay, dS_in, dU, dS_T):
   out_specs = [per_v(Cp), per_v(Kp), state]
   # As the forward: one state-sized block (dS) in registers at four warps, and two stages where W and k_end
   # are at most [64, 128].
-  stages = 2 if Cp * Kp <= 64 * 128 and BV <= 64 else 1
   res = _call(functools.partial(_backward_states_kernel, cfg=cfg, N=N), cfg, (L, Vp // BV), [_rows(x) for x in ins],
-              in_specs, outs, out_specs, "gdn_chunk_dstates_bwd", 4, stages)
+              in_specs, outs, out_specs, "gdn_chunk_dstates_bwd", 8 if cfg.wide else 4,
+              _plain_stages(cfg, Cp, Kp, BV))
   return tuple(_unrows(r, B) for r in res)
 
 
@@ -622,7 +638,8 @@ def _operands(loc: intra_chunk.Local, S0, prec, block_v: int, interpret: Optiona
   C, V = loc.U.shape[-2:]
   K = loc.k_end.shape[-1]
   Cp, Kp = _pow2(C), _pow2(K)
-  BV = min(_pow2(block_v), _pow2(V))
+  wide = WIDE_KEYS and Kp > 128
+  BV = min(_pow2(block_v), _pow2(V), 32 if wide else _pow2(block_v))
   Vp = -(-V // BV) * BV
   operands = "bfloat16" if BF16_OPERANDS and prec == jax.lax.Precision.DEFAULT else "float32"
   op = functools.partial(_pad, dtype=jnp.dtype(operands))
@@ -632,7 +649,7 @@ def _operands(loc: intra_chunk.Local, S0, prec, block_v: int, interpret: Optiona
   cfg = Config(prec=kernel_precision(prec, interpret), block_v=BV, interpret=interpret, delta=delta,
                operands=operands, output=output is not None, out_dtype=jnp.dtype(output or jnp.float32).name,
                out_prec=prec if output is not None else None, channel=channel, states_bwd=BWD_STATES and not channel,
-               xla_prec=prec if BWD_STATES and not channel else None)
+               xla_prec=prec if BWD_STATES and not channel else None, wide=wide)
   args = (op(loc.U, Cp, Vp), op(loc.k_dec if channel else loc.W, Cp, Kp) if delta else None, op(loc.k_end, Cp, Kp),
           f32(decay, Kp), f32(S0, Kp, Vp))
   if output is not None:
