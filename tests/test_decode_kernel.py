@@ -64,6 +64,7 @@ CASES = {
     "gva_neg_eigval": dict(num_v_heads=4, allow_neg_eigval=True),
     "k_ne_v": dict(head_dim=8, v_head_dim=32, conv_size=2),
     "blocked_v_biases": dict(num_v_heads=4, v_head_dim=32, qkv_bias=True, conv_bias=True, conv_size=3),
+    "wide_keys": dict(head_dim=256, v_head_dim=64),  # K > 128: value steps of BLOCK_V_WIDE
 }
 
 

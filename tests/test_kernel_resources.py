@@ -19,3 +19,22 @@ def test_kernel_table_at_a_small_shape(capsys):
   for r in rows:  # at K = V = 64 in bfloat16 nothing comes near the limits
     assert 0 < r["registers"] <= 255 and r["spill_stores"] == 0 and 0 < r["shared"] <= 227 * 1024, r
   assert "| BWD_STATES=on | fwd+bwd | gdn_chunk_dstates_bwd |" in capsys.readouterr().out
+
+
+def test_decode_kernel_at_wide_keys_does_not_spill():
+  """The decode kernel at the paper models' key width (K = 256; V = 256 keeps the compile short), bfloat16, with its
+  default value step: no spill (steps of 64 spill 20 bytes here, 228 at V = 512)."""
+  import sys
+  import os
+  import jax
+  import jax.numpy as jnp
+
+  sys.path.insert(0, os.path.dirname(__file__))
+  from test_decode_kernel import _gdn_args
+  from gdn.bench.kernel_resources import resources, triton_kernels
+  from gdn.ops import pallas_decode
+
+  args, lay = _gdn_args(1, 2, 2, 256, 256, 4, jnp.bfloat16)
+  (kernel,) = triton_kernels(jax.jit(lambda *a: pallas_decode.fused_step(*a, layout=lay, interpret=False)), *args)
+  r = resources(kernel)
+  assert r["spill_stores"] == 0 and r["registers"] <= 255, r

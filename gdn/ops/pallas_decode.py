@@ -54,6 +54,10 @@ from gdn.ops.pallas_common import default_interpret
 DECODE_KERNEL: Optional[bool] = None
 MIN_BATCH = 8  # the smallest batch at which the default (None) runs the kernel
 BLOCK_V = 64  # value channels per step of a program's loop: a [128, 64] float32 state block is 64 registers a thread
+# Keys wider than 128 (the paper models' 256): value steps of 32, the [256, 32] block's 64 registers a thread.
+# Offline for sm_90 (Triton 3.9, ptxas -v, bfloat16, K = 256, V = 512, 4 warps): 226 registers and no spill at 32;
+# 228 bytes of spill stores at 64 (`gdn.bench.kernel_resources`).
+BLOCK_V_WIDE = 32
 NUM_WARPS = 4
 NUM_STAGES = 1
 
@@ -86,9 +90,14 @@ class Layout:
   qk_eps: float = 1e-6  # of the q/k l2norm
 
 
+def default_block_v(K: int) -> int:
+  """The value step when the caller names none: BLOCK_V, or BLOCK_V_WIDE for keys wider than 128."""
+  return BLOCK_V if K <= 128 else BLOCK_V_WIDE
+
+
 def supports(layout: Layout, W: int, block_v: Optional[int] = None) -> bool:
   """Whether the kernel takes these shapes: power-of-two K, V and value block, a conv window (W >= 2)."""
-  bv = min(block_v or BLOCK_V, layout.V)
+  bv = min(block_v or default_block_v(layout.K), layout.V)
   return _pow2(layout.K) and _pow2(layout.V) and _pow2(bv) and layout.V % bv == 0 and W >= 2
 
 
@@ -151,7 +160,7 @@ def fused_step(y, window, conv_w, conv_b, A_log, dt_bias, state, norm_w, *, layo
   conv_b None or [C] the conv's weight and bias; A_log, dt_bias [HV]; state [B, HV, K, V] float32; norm_w [V]
   the output norm's weight. Returns (out [B, HV, V] in y's dtype, new state float32, new window in y's dtype,
   as the XLA conv's). Call only where `supports(layout, W)`; interpret: Pallas' interpreter, None: where the
-  default backend is not a GPU; block_v: None for BLOCK_V (read at the call)."""
+  default backend is not a GPU; block_v: None for `default_block_v` (read at the call)."""
   lay = layout
   B, N = y.shape
   W = conv_w.shape[0]
@@ -162,7 +171,7 @@ def fused_step(y, window, conv_w, conv_b, A_log, dt_bias, state, norm_w, *, layo
   if not supports(lay, W, block_v):
     raise ValueError(f"fused_step does not take {lay} with W={W}, block_v={block_v}: check `supports` first")
   interpret = default_interpret() if interpret is None else interpret
-  bv = min(block_v or BLOCK_V, lay.V)
+  bv = min(block_v or default_block_v(lay.K), lay.V)
   has_bias = conv_b is not None
   whole = lambda *s: pl.BlockSpec(s, lambda b, h: (0,) * len(s))
   row = lambda *s: pl.BlockSpec((None,) + s, lambda b, h: (b,) + (0,) * len(s))
