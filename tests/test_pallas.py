@@ -245,7 +245,8 @@ def test_backward_states_kernel_lowers_to_triton(monkeypatch):
 
 def test_wide_keys_against_oracle_and_launch(monkeypatch):
   """WIDE_KEYS at K > 128 (K = 160, padded to 256): value blocks of 32 and eight warps, float32 against the float64
-  oracle with both backward kernels; lowered for CUDA, each state-pass kernel has that launch."""
+  oracle with both backward kernels; lowered for CUDA, each state-pass kernel and the fused chunk-local kernel
+  have that launch."""
   from gdn.bench.kernel_resources import triton_kernels
 
   monkeypatch.setattr(pallas_chunk, "WIDE_KEYS", True)
@@ -260,6 +261,12 @@ def test_wide_keys_against_oracle_and_launch(monkeypatch):
     assert [(k.name, k.grid, k.num_warps) for k in kernels if k.name != "gdn_chunk_local"] == [
         ("gdn_chunk_states_fwd", (2, 2, 1), 8),
         ("gdn_chunk_dstates_bwd" if bwd_states else "gdn_chunk_states_bwd", (2, 2, 1), 8)], kernels
+  # A forward-only call runs the fused chunk-local kernel (where kernels compile), at eight warps too.
+  dims = checks.check_sequence(*(diff[n] for n in ("q", "k", "v", "g", "beta")), None, None, None, "pallas", 16)
+  forward = jax.jit(lambda *a: pallas_chunk.pallas(*a, scale=0.1, initial_state=None, segment_ids=None, dims=dims,
+                                                   chunk_size=16, interpret=False)[0])
+  kernels = triton_kernels(forward, *(diff[n] for n in ("q", "k", "v", "g", "beta")))
+  assert [(k.name, k.num_warps) for k in kernels][0] == ("gdn_chunk_local", 8), kernels
 
 
 def _gpu_inputs(seed, dtype, g_kind="head", beta_kind="head"):

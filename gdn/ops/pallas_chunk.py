@@ -96,10 +96,11 @@ SUB = 16  # rows of a block of the per-value-channel solve (`_channel_solve`): T
 # chunk. Off until timed on a GPU (docs/benchmarks.md).
 BWD_STATES = False
 # Launch settings for keys wider than 128 (the paper models' head dim 256): True, value blocks of 32 and eight
-# warps for the forward and dS kernels (two pipeline stages on bfloat16 operands), which offline for sm_90 (Triton
-# 3.9, ptxas -v, bfloat16, K = 256, V = 512; `experiments/kernel_resources.py`) spill nothing, where today's blocks of
-# 64 at four warps spill 400-800 bytes in every state-pass kernel. False, the K = 128 settings at every width.
-# Off until timed on a GPU (docs/benchmarks.md).
+# warps for the state-pass kernels (two pipeline stages on bfloat16 operands for the forward and dS ones), and eight
+# warps for the fused chunk-local kernel. Offline for sm_90 (Triton 3.9, ptxas -v, bfloat16, K = 256, V = 512;
+# `experiments/kernel_resources.py`) these spill nothing, where the K = 128 launch (blocks of 64, four warps) spills
+# 100-800 bytes in every kernel. False: the K = 128 launch at every width. Off until timed on a GPU
+# (docs/benchmarks.md).
 WIDE_KEYS = False
 
 
@@ -708,7 +709,11 @@ def pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.
   def run(q, k, v, g, beta, initial_state, segment_ids):
     interp = default_interpret() if interpret is None else interpret
     switch = lambda flag: (not interp) if flag is None else flag  # None: where the kernels compile
-    local = functools.partial(pallas_local.local, interpret=interpret) if switch(FUSED_LOCAL) else intra_chunk.local
+    # WIDE_KEYS: the fused chunk-local kernel at eight warps too (offline for sm_90 at K = 256 it spills 104
+    # bytes at four, none at eight; docs/benchmarks.md).
+    warps = 8 if WIDE_KEYS and _pow2(dims.K) > 128 else None
+    local = (functools.partial(pallas_local.local, interpret=interpret, num_warps=warps) if switch(FUSED_LOCAL)
+             else intra_chunk.local)
     loc, _, bc, _, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
                                        chunk_size=chunk_size, local=local, local_groups=local_groups)
     S0 = initial(initial_state, dims, cdt)

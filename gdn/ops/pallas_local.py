@@ -448,32 +448,34 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def make_config(prec, interpret: bool, *, block_k: Optional[int] = None, block_v: Optional[int] = None,
-                bwd_kernel: Optional[bool] = None, channel: bool = False) -> Config:
+                bwd_kernel: Optional[bool] = None, channel: bool = False, num_warps: Optional[int] = None) -> Config:
   """A call's settings from the module's (read now): the caller's precision, the forward's blocks (None:
   BLOCK_K, or CHANNEL_BLOCK_K for a per-key-channel decay, and BLOCK_V) and warps (NUM_WARPS, CHANNEL_NUM_WARPS
-  for a per-key-channel decay), BACKWARD_KERNEL unless `bwd_kernel` is
+  for a per-key-channel decay; `num_warps` where given), BACKWARD_KERNEL unless `bwd_kernel` is
   given (never for a per-key-channel decay: the backward kernel takes a per-head one), and the backward's blocks
   and warps."""
   bwd_kernel = bool(BACKWARD_KERNEL if bwd_kernel is None else bwd_kernel) and not channel
   return Config(prec=kernel_precision(prec, interpret), ref_prec=prec,
                 block_k=pow2(block_k or (CHANNEL_BLOCK_K if channel else BLOCK_K)), block_v=pow2(block_v or BLOCK_V),
-                interpret=interpret, num_warps=CHANNEL_NUM_WARPS if channel else NUM_WARPS, num_stages=NUM_STAGES,
+                interpret=interpret, num_warps=num_warps or (CHANNEL_NUM_WARPS if channel else NUM_WARPS),
+                num_stages=NUM_STAGES,
                 bwd_kernel=bwd_kernel,
                 bwd_block_k=pow2(BWD_BLOCK_K), bwd_block_v=pow2(BWD_BLOCK_V), bwd_num_warps=BWD_NUM_WARPS)
 
 
 def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "blocked", block_k: Optional[int] = None,
-          block_v: Optional[int] = None, interpret: Optional[bool] = None) -> intra_chunk.Local:
+          block_v: Optional[int] = None, interpret: Optional[bool] = None,
+          num_warps: Optional[int] = None) -> intra_chunk.Local:
   """`intra_chunk.local`'s signature and results (k_dec and A None) through the fused kernel where `supports`
   says so, else `intra_chunk.local` itself (segment masks, per-key-channel decay while FUSED_LOCAL_CHANNEL is
   off, no decay, no or per-channel beta, float64). q (already scaled), k [L, C, K]; v [L, C, V]; g [L, C] or
   [L, C, K]; beta [L, C]. `solver` reaches only the fallback; block_k, block_v: None for BLOCK_K (CHANNEL_BLOCK_K
   for a per-key-channel decay), BLOCK_V (read at the call, as NUM_WARPS and NUM_STAGES are); interpret: Pallas'
-  interpreter, None: where the default backend is not a GPU."""
+  interpreter, None: where the default backend is not a GPU; num_warps: None for the module's."""
   if not supports(g, beta, masks, beta_kind, jnp.result_type(q, k, v)):
     return intra_chunk.local(q, k, v, g, beta, masks, beta_kind=beta_kind, prec=prec, solver=solver)
   interpret = default_interpret() if interpret is None else interpret
-  cfg = make_config(prec, interpret, block_k=block_k, block_v=block_v, channel=g.ndim == 3)
+  cfg = make_config(prec, interpret, block_k=block_k, block_v=block_v, channel=g.ndim == 3, num_warps=num_warps)
   q_dec, k_end, P, W, U = _fused(cfg, q, k, v, g, beta)
   # as intra_chunk: the last inclusive cumulative log-decay, [L, 1] per head, [L, K] per key channel
   decay = jnp.exp(jnp.cumsum(g, axis=1)[:, -1].reshape(g.shape[0], -1))
