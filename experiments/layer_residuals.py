@@ -56,8 +56,8 @@ def parse_args(argv=None):
   p.add_argument("--top", type=int, default=6, help="largest residual groups listed per setting")
   p.add_argument("--no-compile", action="store_true", help="skip XLA's estimate (no compilation)")
   p.add_argument("--switch", action="append", metavar="MODULE.NAME=off,on",
-                 help="a module switch under gdn (e.g. ops.intra_chunk.LOWP_SOLVE=off,on): one row per setting; repeated, "
-                      "one row per combination")
+                 help="a module switch under gdn (e.g. ops.intra_chunk.LOWP_SOLVE=off,on): one row per setting; "
+                      "repeated, one row per combination")
   return p.parse_args(argv)
 
 

@@ -413,11 +413,11 @@ def _backward_states_call(cfg: Config, W, k_end, decay, dS_in, dU, dS_T):
   per_v, per_k, dec, state, _, _ = _specs(L, N, Cp, Kp, BV)
   ins = ([W] if cfg.delta else []) + [k_end, decay, dS_in, dU, dS_T]
   in_specs = ([per_k] if cfg.delta else []) + [per_k, dec, per_v(Kp), per_v(Cp), state]
-  outs = [jax.ShapeDtypeStruct((L, N, Cp, Vp), jnp.float32), jax.ShapeDtypeStruct((L, N, Kp, Vp), jnp.dtype(cfg.operands)),
-          jax.ShapeDtypeStruct((L, Kp, Vp), jnp.float32)]
+  outs = [jax.ShapeDtypeStruct((L, N, Cp, Vp), jnp.float32),
+          jax.ShapeDtypeStruct((L, N, Kp, Vp), jnp.dtype(cfg.operands)), jax.ShapeDtypeStruct((L, Kp, Vp), jnp.float32)]
   out_specs = [per_v(Cp), per_v(Kp), state]
-  # As the forward: one state-sized block (dS) in registers at four warps, and two stages where W and k_end
-  # are at most [64, 128].
+  # As the forward: one state-sized block (dS) in registers, at four warps (eight with WIDE_KEYS), and the
+  # forward's pipeline stages.
   res = _call(functools.partial(_backward_states_kernel, cfg=cfg, N=N), cfg, (L, Vp // BV), [_rows(x) for x in ins],
               in_specs, outs, out_specs, "gdn_chunk_dstates_bwd", 8 if cfg.wide else 4,
               _plain_stages(cfg, Cp, Kp, BV))
