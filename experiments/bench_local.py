@@ -4,7 +4,8 @@
 (a) accuracy: max relative error of each field against `intra_chunk.local`, float32 and bfloat16, at one shape;
 (b) time: median ms of the chunk-local stage (forward; backward alone: XLA's VJP from saved residuals vs the
     backward kernel) and of the whole op (forward, forward+backward) per shape, with FUSED_LOCAL off / on and
-    with both FUSED_LOCAL and `pallas_local.BACKWARD_KERNEL` on ("bwd kernel").
+    with both FUSED_LOCAL and `pallas_local.BACKWARD_KERNEL` on ("bwd kernel": its two kernels of
+    `pallas_local.BACKWARD_SPLIT` with --bwd-split).
 Shapes are (B, T, H, D): H = HV heads, K = V = D, per-head beta, and per-head decay (`--decay head`, Gated
 DeltaNet) or per-key-channel decay (`--decay channel`, KDA: its kernel switched
 on here with `pallas_local.FUSED_LOCAL_CHANNEL` for the stage and for the op's "on" columns; the backward kernel
@@ -14,6 +15,7 @@ rest go on.
   python -m experiments.bench_local                       # the five issue-13 shapes, bfloat16
   python -m experiments.bench_local --decay channel --shapes 4,2048,16,128 2,16384,16,128 1,8192,96,128
   python -m experiments.bench_local --shapes 1,512,2,64 --check-shape 1,512,2,64 --reps 2   # a quick run
+  python -m experiments.bench_local --check-shape '' --bwd-split      # the backward as two kernels
 """
 
 from __future__ import annotations
@@ -188,18 +190,26 @@ def main(argv=None):
   p.add_argument("--bwd-block-k", type=int, default=pallas_local.BWD_BLOCK_K, help="pallas_local.BWD_BLOCK_K")
   p.add_argument("--bwd-block-v", type=int, default=pallas_local.BWD_BLOCK_V, help="pallas_local.BWD_BLOCK_V")
   p.add_argument("--bwd-num-warps", type=int, default=pallas_local.BWD_NUM_WARPS, help="pallas_local.BWD_NUM_WARPS")
+  p.add_argument("--bwd-split", action="store_true",
+                 help="pallas_local.BACKWARD_SPLIT: the \"bwd kernel\" columns time the backward's two kernels")
+  p.add_argument("--split-block-k", type=int, default=pallas_local.SPLIT_BLOCK_K, help="pallas_local.SPLIT_BLOCK_K")
+  p.add_argument("--split-num-warps", type=int, default=pallas_local.SPLIT_NUM_WARPS,
+                 help="pallas_local.SPLIT_NUM_WARPS")
   a = p.parse_args(argv)
   pallas_local.BLOCK_K, pallas_local.BLOCK_V = a.block_k, a.block_v
   pallas_local.CHANNEL_BLOCK_K, pallas_local.CHANNEL_NUM_WARPS = a.channel_block_k, a.channel_num_warps
   pallas_local.BWD_BLOCK_K, pallas_local.BWD_BLOCK_V = a.bwd_block_k, a.bwd_block_v
   pallas_local.BWD_NUM_WARPS = a.bwd_num_warps
+  pallas_local.BACKWARD_SPLIT = pallas_local.BACKWARD_SPLIT or a.bwd_split
+  pallas_local.SPLIT_BLOCK_K, pallas_local.SPLIT_NUM_WARPS = a.split_block_k, a.split_num_warps
   pallas_local.NUM_WARPS, pallas_local.NUM_STAGES = a.num_warps, a.num_stages
   print(f"# chunk-local stage: XLA vs fused Pallas, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
         f"{a.decay} decay, chunk 64, median of {a.reps}; FUSED_LOCAL default {pallas_chunk.FUSED_LOCAL}, "
         f"FUSED_LOCAL_CHANNEL default {pallas_local.FUSED_LOCAL_CHANNEL}; kernel block_k {a.block_k} (channel "
         f"{a.channel_block_k}, {a.channel_num_warps} warps), "
         f"block_v {a.block_v}, {a.num_warps} warps, {a.num_stages} stages; backward kernel blocks {a.bwd_block_k}, "
-        f"{a.bwd_block_v}, {a.bwd_num_warps} warps")
+        f"{a.bwd_block_v}, {a.bwd_num_warps} warps; BACKWARD_SPLIT {pallas_local.BACKWARD_SPLIT} (second kernel "
+        f"{a.split_block_k} keys, {a.split_num_warps} warps)")
   if a.check_shape:
     check(tuple(map(int, a.check_shape.split(","))), a.decay)
   shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else PRESETS["h200"]["shapes"]

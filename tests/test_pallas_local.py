@@ -89,32 +89,36 @@ def test_gradients_are_the_xla_references():
     assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
 
 
-def _stage_grads(args, prec, interpret=True, seed=8):
-  """(kernel's, reference's) gradients of the stage's five kernel outputs for random cotangents."""
+def _stage_grads(args, prec, interpret=True, seed=8, split=False):
+  """(kernel's, reference's) gradients of the stage's five kernel outputs for random cotangents; `split`: the two
+  kernels of BACKWARD_SPLIT (the second over blocks of 16 keys)."""
   outs, vjp = jax.vjp(lambda *a: pallas_local.reference(prec, *a), *args)
   rng = np.random.default_rng(seed)
   cts = tuple(jnp.asarray(rng.normal(size=o.shape), o.dtype) for o in outs)
   cfg = pallas_local.Config(prec=pallas_local.kernel_precision(prec, interpret), ref_prec=prec, block_k=64,
                             block_v=64, interpret=interpret, num_warps=4, num_stages=1, bwd_kernel=True,
-                            bwd_block_k=16, bwd_block_v=32)
+                            bwd_block_k=16, bwd_block_v=32, bwd_split=split, split_block_k=16)
   got = jax.jit(lambda *a: pallas_local.backward_kernel(cfg, *a[:5], a[5:]))(*args, *cts)
   return got, vjp(cts)
 
 
 # (L, C, K, V, strong): as CHUNK_CASES, with the backward's blocks of 16 keys and 32 values (several loop steps);
 # `strong` puts a total forgetting (-1e4), -30, then decays within 1e-3 of 1 in each chunk.
+# `split`: BACKWARD_SPLIT's two kernels in place of the one.
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("L, C, K, V, strong", [(2, 64, 32, 48, True), (3, 8, 5, 19, False), (2, 32, 16, 64, True)])
-def test_backward_kernel_float32_equals_vjp(L, C, K, V, strong):
+def test_backward_kernel_float32_equals_vjp(L, C, K, V, strong, split):
   args = chunk_inputs(9, L, C, K, V, jnp.float32, strong)
-  got, want = _stage_grads(args, jax.lax.Precision.HIGHEST)
+  got, want = _stage_grads(args, jax.lax.Precision.HIGHEST, split=split)
   for name, a, b in zip("q k v g beta".split(), got, want):
     assert a.shape == b.shape and a.dtype == b.dtype, name
     assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
 
 
-def test_backward_kernel_bfloat16_equals_vjp():
+@pytest.mark.parametrize("split", [False, True])
+def test_backward_kernel_bfloat16_equals_vjp(split):
   args = chunk_inputs(10, 2, 64, 32, 48, jnp.bfloat16, strong=True)
-  got, want = _stage_grads(args, jax.lax.Precision.DEFAULT)
+  got, want = _stage_grads(args, jax.lax.Precision.DEFAULT, split=split)
   for name, a, b in zip("q k v g beta".split(), got, want):
     assert a.dtype == b.dtype, name
     assert rel_err(a, b) <= 2e-2, (name, rel_err(a, b))
@@ -142,11 +146,12 @@ def test_other_variants_fall_back_to_xla():
   assert not pallas_local.supports(g, beta, (None,), "head", jnp.float32)
 
 
-def _fused_op(monkeypatch, x, chunk_size, backward_kernel=False):
+def _fused_op(monkeypatch, x, chunk_size, backward_kernel=False, split=False):
   """Forward, final state and all gradients of `gated_delta_rule(method="pallas")` with FUSED_LOCAL on (a jit of
-  its own: the switch is read at trace time), and pallas_local.BACKWARD_KERNEL as asked."""
+  its own: the switch is read at trace time), and pallas_local.BACKWARD_KERNEL and BACKWARD_SPLIT as asked."""
   monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", True)
   monkeypatch.setattr(pallas_local, "BACKWARD_KERNEL", backward_kernel)
+  monkeypatch.setattr(pallas_local, "BACKWARD_SPLIT", split)
   if backward_kernel:
     monkeypatch.setattr(pallas_local, "reference", None)  # the stage's XLA forward and VJP must not run
   diff, seg, co = vjp_inputs(x)
@@ -167,26 +172,31 @@ def _fused_op(monkeypatch, x, chunk_size, backward_kernel=False):
           {n: np.asarray(g, np.float64) for n, g in grads.items()})
 
 
-@pytest.mark.parametrize("backward_kernel", [False, True])
-def test_fused_op_float32_against_oracle(monkeypatch, backward_kernel):
-  """T = 40 over chunks of 16 (three chunks, the last padded), grouped heads, K != V, odd V, an initial state;
-  the backward through XLA's VJP or the backward kernel."""
+# The backward through XLA's VJP, the backward kernel, or BACKWARD_SPLIT's two kernels.
+BACKWARDS = [(False, False), (True, False), (True, True)]
+
+
+@pytest.mark.parametrize("backward_kernel, split", BACKWARDS)
+def test_fused_op_float32_against_oracle(monkeypatch, backward_kernel, split):
+  """T = 40 over chunks of 16 (three chunks, the last padded), grouped heads, K != V, odd V, an initial state."""
   x = make_inputs(31 + 4 * backward_kernel, 2, 40, 1, 2, 16, 19, "head", "head")
-  assert_close(_fused_op(monkeypatch, x, 16, backward_kernel=backward_kernel), oracle(x), 1e-5,
-               f"pallas with the fused chunk-local kernel (backward kernel {backward_kernel})")
+  assert_close(_fused_op(monkeypatch, x, 16, backward_kernel=backward_kernel, split=split), oracle(x), 1e-5,
+               f"pallas with the fused chunk-local kernel (backward kernel {backward_kernel}, split {split})")
 
 
-@pytest.mark.parametrize("backward_kernel", [False, True])
-def test_fused_op_bfloat16_against_oracle(monkeypatch, backward_kernel):
+@pytest.mark.parametrize("backward_kernel, split", BACKWARDS)
+def test_fused_op_bfloat16_against_oracle(monkeypatch, backward_kernel, split):
   x_bf, x_ref = bfloat16_inputs(make_inputs(32 + 4 * backward_kernel, 1, 48, 2, 2, 16, 16, "head", "head"))
-  assert_close(_fused_op(monkeypatch, x_bf, 16, backward_kernel=backward_kernel), oracle(x_ref), 2e-2,
-               f"bf16 pallas with the fused kernel (backward kernel {backward_kernel})")
+  assert_close(_fused_op(monkeypatch, x_bf, 16, backward_kernel=backward_kernel, split=split), oracle(x_ref), 2e-2,
+               f"bf16 pallas with the fused kernel (backward kernel {backward_kernel}, split {split})")
 
 
-def test_backward_kernel_lowers_to_triton(monkeypatch):
-  """With BACKWARD_KERNEL the differentiated stage lowers to two Triton kernels for CUDA, the forward's and the
-  backward's (bfloat16 at C = 64, K = V = 128)."""
+@pytest.mark.parametrize("split", [False, True])
+def test_backward_kernel_lowers_to_triton(monkeypatch, split):
+  """With BACKWARD_KERNEL the differentiated stage lowers to Triton kernels for CUDA, the forward's and the
+  backward's, or with BACKWARD_SPLIT the backward's two (bfloat16 at C = 64, K = V = 128)."""
   monkeypatch.setattr(pallas_local, "BACKWARD_KERNEL", True)
+  monkeypatch.setattr(pallas_local, "BACKWARD_SPLIT", split)
   args = chunk_inputs(12, 2, 64, 128, 128, jnp.bfloat16)
   pick = lambda loc: (loc.q_dec, loc.k_end, loc.P, loc.W, loc.U)
   stage = lambda *a: pick(pallas_local.local(*a, None, beta_kind="head", prec=jax.lax.Precision.DEFAULT,
@@ -197,7 +207,8 @@ def test_backward_kernel_lowers_to_triton(monkeypatch):
     return vjp(outs)
 
   hlo = cuda_hlo(jax.jit(f), *args)
-  assert hlo.count("__gpu$xla.gpu.triton") == 2 and "gdn_chunk_local_bwd" in hlo
+  names = ["gdn_chunk_local_bwd_solve", "gdn_chunk_local_bwd_dqk"] if split else ["gdn_chunk_local_bwd\""]
+  assert hlo.count("__gpu$xla.gpu.triton") == 1 + len(names) and all(n in hlo for n in names), names
 
 
 def test_kernel_lowers_to_triton():
@@ -233,12 +244,14 @@ def test_compiled_op_on_gpu(monkeypatch, dtype, tol):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
-def test_compiled_backward_on_gpu(dtype, tol):
-  """The compiled backward kernel at C = 64, K = V = 128 against jax.vjp of intra_chunk.local."""
+def test_compiled_backward_on_gpu(dtype, tol, split):
+  """The compiled backward kernel (or BACKWARD_SPLIT's two) at C = 64, K = V = 128 against jax.vjp of
+  intra_chunk.local."""
   args = chunk_inputs(13, 256, 64, 128, 128, jnp.dtype(dtype), strong=True)
   prec = jax.lax.Precision.HIGHEST if dtype == "float32" else jax.lax.Precision.DEFAULT
-  got, want = _stage_grads(args, prec, interpret=False)
+  got, want = _stage_grads(args, prec, interpret=False, split=split)
   for name, a, b in zip("q k v g beta".split(), got, want):
     assert rel_err(a, b) <= tol, (name, rel_err(a, b))
 

@@ -41,7 +41,9 @@ Gradients: `jax.custom_vjp` whose forward rule, run when the op is differentiate
 prefill, generation) run the kernel. On the H200 the first version, kernel forward then the reference
 recomputed in the backward, cost 2-4% more in forward+backward than XLA alone (docs/benchmarks.md); a training
 step now runs exactly the XLA program. With `BACKWARD_KERNEL` on, the forward rule runs the kernel and saves its
-inputs, and the backward rule runs `_bwd_kernel`, which recomputes the decays, A and T per chunk.
+inputs, and the backward rule runs `_bwd_kernel`, which recomputes the decays, A and T per chunk; with
+`BACKWARD_SPLIT` also on, two kernels instead (`_split_backward`): the solve per chunk, then dq and dk per chunk
+and block of keys from the [Cp, Cp] float32 T and dM it writes.
 
 Triton constraints the kernel keeps (Pallas' interpreter checks none of them): power-of-two blocks, at least 16
 along every dot dimension, 2-D dots, static slices of refs only, no slicing of loaded values (blocks are
@@ -75,11 +77,22 @@ NUM_STAGES = 1
 # kernel. Read at the call (trace time), as FUSED_LOCAL is. Its blocks and warps: it holds three to five [Cp, Cp]
 # float32 matrices at once; offline for sm_90 (Triton 3.9, bfloat16, C = 64, K = V = 128) it takes 255 registers
 # a thread in every setting tried, with 236 bytes of spill stores at blocks of 32 and 8 warps, 552 at 64 and 8
-# warps, 836 at 32 and 4 warps, 1104 at 64 and 4 warps. Not yet timed on the card.
+# warps, 828 at 32 and 4 warps, 1104 at 64 and 4 warps. Not yet timed on the card.
 BACKWARD_KERNEL = False
 BWD_BLOCK_K = 32
 BWD_BLOCK_V = 32
 BWD_NUM_WARPS = 8
+# The backward as two kernels, as fla's prepare_wy_repr_bwd then chunk_bwd_dqkwg: with BACKWARD_KERNEL on, True runs
+# `_bwd_solve_kernel` and `_bwd_dqk_kernel` in place of `_bwd_kernel` (`_split_backward`). The first, one program
+# per chunk with BWD_BLOCK_K, BWD_BLOCK_V and BWD_NUM_WARPS, recomputes the decays, A and T and writes T and
+# strictly-lower(dM) ([L, Cp, Cp] float32), dv and a share of dbeta; the second, one program per chunk and block of
+# SPLIT_BLOCK_K keys with SPLIT_NUM_WARPS, dq, dk and the rest of dg and dbeta as dots of those with q, k and dW.
+# Read at the call. Offline for sm_90 (Triton 3.9, bfloat16, C = 64, K = V = 128) neither spills: 247 and 194
+# registers a thread at these settings (the first also none at blocks of 16 or 64 and 8 warps, or 32 and 4 warps;
+# the second spills 740 bytes at 64 keys and 4 warps, 8 at 128 keys and 8 warps). Off until timed on the card.
+BACKWARD_SPLIT = False
+SPLIT_BLOCK_K = 64
+SPLIT_NUM_WARPS = 8
 # Per-key-channel decay (KDA, g [L, C, K]) through `_channel_kernel`: False (today) sends it to
 # `intra_chunk.local`, True to the kernel, in forward-only calls (a differentiated call runs XLA's stage and its
 # VJP, as for a per-head decay; the backward kernel takes a per-head decay only). Read at the call. Off until timed
@@ -107,6 +120,9 @@ class Config:
   bwd_block_k: int = 64
   bwd_block_v: int = 64
   bwd_num_warps: int = 4
+  bwd_split: bool = False  # BACKWARD_SPLIT at the call
+  split_block_k: int = 64
+  split_num_warps: int = 8
 
 
 def supports(g, beta, masks, beta_kind: str, dtype) -> bool:
@@ -277,6 +293,35 @@ def _channel_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref
             k_ref, v_ref, w_ref, u_ref, cfg)
 
 
+def _solve_and_dT(k_ref, v_ref, g_ref, b_ref, dw_ref, du_ref, cfg: Config, t_ref=None):
+  """The backward's recomputation and first cotangent, one chunk: (`_decays`' five), beta [Cp, 1], A, T and
+  dT = dW X_w^T + dU X_u^T, over blocks of cfg.bwd_block_k keys and cfg.bwd_block_v values; T also written to
+  t_ref where given, before dT (offline: 247 registers and no spill in `_bwd_solve_kernel`, 255 and 24 bytes of
+  spills at blocks of 16 when written after)."""
+  Cp, Kp = k_ref.shape
+  Vp = v_ref.shape[-1]
+  BK, BV, prec = cfg.bwd_block_k, cfg.bwd_block_v, cfg.prec
+  f32 = jnp.float32
+  bcol = b_ref[...].astype(f32)[:, None]
+  decays = row, col, e_gam, _, decay = _decays(g_ref[...].astype(f32), Cp)
+  KK = jnp.zeros((Cp, Cp), f32)
+  for j in range(Kp // BK):
+    k = k_ref[:, pl.ds(j * BK, BK)]
+    KK = KK + _dot(k, k, True, prec)
+  A = jnp.where(row > col, KK * decay, 0.0)
+  T = _invert_unit_lower(bcol * A, prec)
+  if t_ref is not None:
+    t_ref[...] = T
+  dT = jnp.zeros((Cp, Cp), f32)
+  for j in range(Kp // BK):
+    ks = pl.ds(j * BK, BK)
+    dT = dT + _dot(dw_ref[:, ks].astype(f32), bcol * (k_ref[:, ks].astype(f32) * e_gam), True, prec)
+  for j in range(Vp // BV):
+    vs = pl.ds(j * BV, BV)
+    dT = dT + _dot(du_ref[:, vs].astype(f32), bcol * v_ref[:, vs].astype(f32), True, prec)
+  return decays, bcol, A, T, dT
+
+
 def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dqd_ref, dke_ref, dp_ref, dw_ref, du_ref,
                 dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, cfg: Config):
   """The VJP of `_kernel`'s five outputs for one chunk, recomputing the decays, A and T (fla's
@@ -293,25 +338,9 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dqd_ref, dke_ref, dp_ref, dw_
   Vp = v_ref.shape[-1]
   BK, BV, prec = cfg.bwd_block_k, cfg.bwd_block_v, cfg.prec
   f32 = jnp.float32
-  g = g_ref[...].astype(f32)
-  beta = b_ref[...].astype(f32)
-  bcol = beta[:, None]
-  row, col, e_gam, e_end, decay = _decays(g, Cp)
   # Phases ordered so that few [Cp, Cp] float32 matrices are live at once (each is 32 registers a thread at
   # Cp = 64 and 4 warps): A and T; then dT; then dKK, the decay-gradient dD and QK; then T, dQK, dKK + dKK^T.
-  KK = jnp.zeros((Cp, Cp), f32)
-  for j in range(Kp // BK):
-    k = k_ref[:, pl.ds(j * BK, BK)]
-    KK = KK + _dot(k, k, True, prec)
-  A = jnp.where(row > col, KK * decay, 0.0)
-  T = _invert_unit_lower(bcol * A, prec)
-  dT = jnp.zeros((Cp, Cp), f32)
-  for j in range(Kp // BK):
-    ks = pl.ds(j * BK, BK)
-    dT = dT + _dot(dw_ref[:, ks].astype(f32), bcol * (k_ref[:, ks].astype(f32) * e_gam), True, prec)
-  for j in range(Vp // BV):
-    vs = pl.ds(j * BV, BV)
-    dT = dT + _dot(du_ref[:, vs].astype(f32), bcol * v_ref[:, vs].astype(f32), True, prec)
+  (row, col, e_gam, e_end, decay), bcol, A, T, dT = _solve_and_dT(k_ref, v_ref, g_ref, b_ref, dw_ref, du_ref, cfg)
   dM = -_dot(_dot_ta(T, dT, prec), T, True, prec)  # -T^T dT T^T
   dbeta = jnp.sum(dM * A, axis=1)
   dA = jnp.where(row > col, bcol * dM, 0.0)
@@ -322,10 +351,7 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dqd_ref, dke_ref, dp_ref, dw_
     ks = pl.ds(j * BK, BK)
     QK = QK + _dot(q_ref[:, ks], k_ref[:, ks], True, prec)
   dQK = jnp.where(row >= col, dp_ref[...].astype(f32), 0.0) * decay
-  dD = dD + dQK * QK
-  # dg_j's share of D: sum_{t >= j} sum_{i < j} dD_ti; the inner sum is the inclusive row cumulative sum less its
-  # own term (a reverse cumulative sum does not lower to Triton).
-  dg = jnp.sum(jnp.where(row >= col, jax.lax.cumsum(dD, axis=1) - dD, 0.0), axis=0)
+  dg = _span_share(dD + dQK * QK, row, col)
   dKs = dKK + dKK.T  # symmetric
   # dq first, then T and dQK transposed once (the originals die): the dk loop reads only T^T, dQK^T and dKs.
   dgam = dto_end = jnp.zeros((Cp,), f32)
@@ -357,6 +383,68 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dqd_ref, dke_ref, dp_ref, dw_
   dg = dg + jnp.sum(jnp.where(row >= col, dgam[:, None], 0.0) + jnp.where(row < col, dto_end[:, None], 0.0), axis=0)
   dg_ref[...] = dg.astype(dg_ref.dtype)
   db_ref[...] = dbeta.astype(db_ref.dtype)
+
+
+def _bwd_solve_kernel(k_ref, v_ref, g_ref, b_ref, dw_ref, du_ref, t_ref, dm_ref, dv_ref, db_ref, *, cfg: Config):
+  """The split backward's first kernel, one chunk: `_bwd_kernel`'s solve. Recomputes the decays, A and T; writes T
+  and strictly-lower(dM) (float32 [Cp, Cp], what `_bwd_dqk_kernel` turns into dk, dq and the rest of dg and
+  dbeta), dv = beta T^T dU, and dbeta's share rowsum(dX_u v). The decays and A die at T, dT at dM, which is
+  written before the dv loop (with dX_u computed while dT was summed: 168 bytes of spills offline, not none)."""
+  Cp, Vp = v_ref.shape
+  BV, prec, f32 = cfg.bwd_block_v, cfg.prec, jnp.float32
+  (row, col, _, _, _), bcol, _, T, dT = _solve_and_dT(k_ref, v_ref, g_ref, b_ref, dw_ref, du_ref, cfg, t_ref)
+  dbeta = jnp.zeros((Cp,), f32)
+  dm_ref[...] = jnp.where(row > col, -_dot(_dot_ta(T, dT, prec), T, True, prec), 0.0)  # dM = -T^T dT T^T
+  for j in range(Vp // BV):
+    vs = pl.ds(j * BV, BV)
+    v, du = v_ref[:, vs].astype(f32), du_ref[:, vs].astype(f32)
+    dXu = _dot_ta(T, du, prec)
+    dbeta = dbeta + jnp.sum(dXu * v, axis=1)
+    dv_ref[:, vs] = (bcol * dXu).astype(dv_ref.dtype)
+  db_ref[...] = dbeta
+
+
+def _span_share(dD, row, col):
+  """dg_j's share of D from its cotangent dD [Cp, Cp] (zero above the diagonal): sum_{t >= j} sum_{i < j} dD_ti;
+  the inner sum is the inclusive row cumulative sum less its own term (a reverse cumulative sum does not lower to
+  Triton)."""
+  return jnp.sum(jnp.where(row >= col, jax.lax.cumsum(dD, axis=1) - dD, 0.0), axis=0)
+
+
+def _bwd_dqk_kernel(q_ref, k_ref, g_ref, b_ref, dqd_ref, dke_ref, dp_ref, dw_ref, t_ref, dm_ref,
+                    dq_ref, dk_ref, dg_ref, db_ref, *, cfg: Config):
+  """The split backward's second kernel, one chunk and one block of keys: with the decays recomputed, dKK =
+  Diag(beta) dM e^D (dA e^D) and dQK = lower(dP) e^D, dq = dq_dec e^gamma + dQK k, dX_w = T^T dW and dk = dX_w beta
+  e^gamma + dk_end e^to_end + dQK^T q + (dKK + dKK^T) k (float32 operands, as in `_bwd_kernel`), and this block's
+  shares of dg and dbeta, which the caller sums over the blocks: A and P are linear in k k^T and q k^T, so with
+  this block's KK_b = k k^T and QK_b = q k^T, dbeta's rowsum(dM A) is the sum over blocks of rowsum(dM e^D KK_b),
+  and D's cotangent dA A + dQK QK that of dKK KK_b + dQK QK_b; dg takes the spans of D, gamma and to_end, dbeta
+  also rowsum(dX_w k_dec)."""
+  Cp = k_ref.shape[0]
+  prec = cfg.prec
+  f32 = jnp.float32
+  g = g_ref[...].astype(f32)
+  bcol = b_ref[...].astype(f32)[:, None]
+  row, col, e_gam, e_end, decay = _decays(g, Cp)
+  q, k = q_ref[...].astype(f32), k_ref[...].astype(f32)
+  dqd, dke = dqd_ref[...].astype(f32), dke_ref[...].astype(f32)
+  dQK = jnp.where(row >= col, dp_ref[...].astype(f32), 0.0) * decay
+  dMe = dm_ref[...] * decay  # zero on and above the diagonal
+  KK = _dot(k_ref[...], k_ref[...], True, prec)
+  dbeta = jnp.sum(dMe * KK, axis=1)
+  dKK = bcol * dMe
+  dg = _span_share(dKK * KK + dQK * _dot(q_ref[...], k_ref[...], True, prec), row, col)
+  dq_ref[...] = (dqd * e_gam + _dot(dQK, k, False, prec)).astype(dq_ref.dtype)
+  dXw = _dot_ta(t_ref[...], dw_ref[...].astype(f32), prec)
+  k_dec = k * e_gam
+  dgam = jnp.sum(dqd * q * e_gam, axis=1) + jnp.sum(dXw * k_dec * bcol, axis=1)
+  dto_end = jnp.sum(dke * k * e_end, axis=1)
+  dk = dXw * bcol * e_gam + dke * e_end + _dot_ta(dQK, q, prec) + _dot(dKK + dKK.T, k, False, prec)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  # dg_j's shares of gamma_t (t >= j) and to_end_i (i < j)
+  dg_ref[...] = dg + jnp.sum(jnp.where(row >= col, dgam[:, None], 0.0) + jnp.where(row < col, dto_end[:, None], 0.0),
+                             axis=0)
+  db_ref[...] = dbeta + jnp.sum(dXw * k_dec, axis=1)
 
 
 def _pad(x, *target):
@@ -391,9 +479,9 @@ def _forward(cfg: Config, q, k, v, g, beta):
 
 
 def backward_kernel(cfg: Config, q, k, v, g, beta, cts):
-  """(dq, dk, dv, dg, dbeta) in the inputs' dtypes from the backward kernel; cts the cotangents of `_forward`'s
-  (q_dec, k_end, P, W, U), in k's dtype. Public for benchmarks and tests, which time and check it against the
-  VJP of `reference`."""
+  """(dq, dk, dv, dg, dbeta) in the inputs' dtypes from the backward kernel (the two of `_split_backward` with
+  cfg.bwd_split); cts the cotangents of `_forward`'s (q_dec, k_end, P, W, U), in k's dtype. Public for benchmarks
+  and tests, which time and check it against the VJP of `reference`."""
   L, C, K = k.shape
   V = v.shape[-1]
   Cp, Kp, Vp = pow2(C), pow2(K), pow2(V)
@@ -401,6 +489,9 @@ def backward_kernel(cfg: Config, q, k, v, g, beta, cts):
   dqd, dke, dP, dW, dU = cts
   ins = [_pad(q, Cp, Kp), _pad(k, Cp, Kp), _pad(v, Cp, Vp), _pad(g, Cp), _pad(beta, Cp),
          _pad(dqd, Cp, Kp), _pad(dke, Cp, Kp), _pad(dP, Cp, Cp), _pad(dW, Cp, Kp), _pad(dU, Cp, Vp)]
+  if cfg.bwd_split:
+    dq, dk, dv, dg, db = _split_backward(cfg, ins, L, Cp, Kp, Vp)
+    return dq[:, :C, :K], dk[:, :C, :K], dv[:, :C, :V], dg[:, :C], db[:, :C]
   rows = lambda *s: pl.BlockSpec((None,) + s, lambda i: (i,) + (0,) * len(s))
   kernel = functools.partial(_bwd_kernel, cfg=dataclasses.replace(cfg, bwd_block_k=BK, bwd_block_v=BV))
   dq, dk, dv, dg, db = pl.pallas_call(
@@ -414,6 +505,39 @@ def backward_kernel(cfg: Config, q, k, v, g, beta, cts):
       interpret=cfg.interpret, name="gdn_chunk_local_bwd",
       compiler_params=pl_triton.CompilerParams(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages))(*ins)
   return dq[:, :C, :K], dk[:, :C, :K], dv[:, :C, :V], dg[:, :C], db[:, :C]
+
+
+def _split_backward(cfg: Config, ins, L, Cp, Kp, Vp):
+  """(dq, dk, dv, dg, dbeta) padded, from `_bwd_solve_kernel` then `_bwd_dqk_kernel` on `backward_kernel`'s padded
+  inputs; the second kernel's per-block shares of dg and dbeta summed here."""
+  q, k, v, g, beta, dqd, dke, dP, dW, dU = ins
+  BK, BV, SK = min(cfg.bwd_block_k, Kp), min(cfg.bwd_block_v, Vp), min(cfg.split_block_k, Kp)
+  f32 = jnp.float32
+  rows = lambda *s: pl.BlockSpec((None,) + s, lambda i: (i,) + (0,) * len(s))
+  square = jax.ShapeDtypeStruct((L, Cp, Cp), f32)
+  T, dM, dv, db = pl.pallas_call(
+      functools.partial(_bwd_solve_kernel, cfg=dataclasses.replace(cfg, bwd_block_k=BK, bwd_block_v=BV)),
+      grid=(L,),
+      in_specs=[rows(Cp, Kp), rows(Cp, Vp), rows(Cp), rows(Cp), rows(Cp, Kp), rows(Cp, Vp)],
+      out_specs=[rows(Cp, Cp), rows(Cp, Cp), rows(Cp, Vp), rows(Cp)],
+      out_shape=[square, square, jax.ShapeDtypeStruct((L, Cp, Vp), v.dtype), jax.ShapeDtypeStruct((L, Cp), f32)],
+      interpret=cfg.interpret, name="gdn_chunk_local_bwd_solve",
+      compiler_params=pl_triton.CompilerParams(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages),
+  )(k, v, g, beta, dW, dU)
+  nk = Kp // SK
+  keys = pl.BlockSpec((None, Cp, SK), lambda i, j: (i, 0, j))
+  whole = lambda *s: pl.BlockSpec((None,) + s, lambda i, j: (i,) + (0,) * len(s))
+  share = pl.BlockSpec((None, None, Cp), lambda i, j: (i, j, 0))
+  dq, dk, dg_k, db_k = pl.pallas_call(
+      functools.partial(_bwd_dqk_kernel, cfg=cfg), grid=(L, nk),
+      in_specs=[keys, keys, whole(Cp), whole(Cp), keys, keys, whole(Cp, Cp), keys, whole(Cp, Cp), whole(Cp, Cp)],
+      out_specs=[keys, keys, share, share],
+      out_shape=[jax.ShapeDtypeStruct((L, Cp, Kp), q.dtype), jax.ShapeDtypeStruct((L, Cp, Kp), k.dtype),
+                 jax.ShapeDtypeStruct((L, nk, Cp), f32), jax.ShapeDtypeStruct((L, nk, Cp), f32)],
+      interpret=cfg.interpret, name="gdn_chunk_local_bwd_dqk",
+      compiler_params=pl_triton.CompilerParams(num_warps=cfg.split_num_warps, num_stages=cfg.num_stages),
+  )(q, k, g, beta, dqd, dke, dP, dW, T, dM)
+  return dq, dk, dv, dg_k.sum(axis=1).astype(g.dtype), (db + db_k.sum(axis=1)).astype(beta.dtype)
 
 
 def reference(prec, q, k, v, g, beta):
@@ -448,19 +572,22 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def make_config(prec, interpret: bool, *, block_k: Optional[int] = None, block_v: Optional[int] = None,
-                bwd_kernel: Optional[bool] = None, channel: bool = False, num_warps: Optional[int] = None) -> Config:
+                bwd_kernel: Optional[bool] = None, bwd_split: Optional[bool] = None, channel: bool = False,
+                num_warps: Optional[int] = None) -> Config:
   """A call's settings from the module's (read now): the caller's precision, the forward's blocks (None:
   BLOCK_K, or CHANNEL_BLOCK_K for a per-key-channel decay, and BLOCK_V) and warps (NUM_WARPS, CHANNEL_NUM_WARPS
   for a per-key-channel decay; `num_warps` where given), BACKWARD_KERNEL unless `bwd_kernel` is
-  given (never for a per-key-channel decay: the backward kernel takes a per-head one), and the backward's blocks
-  and warps."""
+  given (never for a per-key-channel decay: the backward kernel takes a per-head one), BACKWARD_SPLIT unless
+  `bwd_split` is given, and the backward kernels' blocks and warps."""
   bwd_kernel = bool(BACKWARD_KERNEL if bwd_kernel is None else bwd_kernel) and not channel
   return Config(prec=kernel_precision(prec, interpret), ref_prec=prec,
                 block_k=pow2(block_k or (CHANNEL_BLOCK_K if channel else BLOCK_K)), block_v=pow2(block_v or BLOCK_V),
                 interpret=interpret, num_warps=num_warps or (CHANNEL_NUM_WARPS if channel else NUM_WARPS),
                 num_stages=NUM_STAGES,
                 bwd_kernel=bwd_kernel,
-                bwd_block_k=pow2(BWD_BLOCK_K), bwd_block_v=pow2(BWD_BLOCK_V), bwd_num_warps=BWD_NUM_WARPS)
+                bwd_block_k=pow2(BWD_BLOCK_K), bwd_block_v=pow2(BWD_BLOCK_V), bwd_num_warps=BWD_NUM_WARPS,
+                bwd_split=bool(BACKWARD_SPLIT if bwd_split is None else bwd_split),
+                split_block_k=pow2(SPLIT_BLOCK_K), split_num_warps=SPLIT_NUM_WARPS)
 
 
 def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "blocked", block_k: Optional[int] = None,
