@@ -8,6 +8,7 @@ block, shows here before the card is asked.
   python -m experiments.kernel_resources                                   # B 1, T 256, 2 heads, K = V = 128, bf16
   python -m experiments.kernel_resources --k 256 --v 512                   # the 340M model's heads
   python -m experiments.kernel_resources --k 256 --v 512 --switch ops.pallas_chunk.BWD_STATES=off,on
+  python -m experiments.kernel_resources --decode --k 256 --v 512 --decode-block-v 32,64   # the decode-step kernel
 """
 
 from __future__ import annotations
@@ -43,6 +44,27 @@ def kernels_of(a) -> list:
           + [("fwd+bwd", k) for k in triton_kernels(jax.jit(vjp_of(op)), out, *args)])
 
 
+def decode_kernels_of(a, block_v) -> list:
+  """[("decode", TritonKernel)] of `pallas_decode.fused_step` for a Gated DeltaNet layer of the arguments' heads
+  (q/k and value heads alike, conv window 4, allow_neg_eigval), one token for each of --batch rows; block_v: its
+  value step (None: the kernel's default)."""
+  import jax
+  import jax.numpy as jnp
+
+  from gdn.bench.kernel_resources import triton_kernels
+  from gdn.ops import pallas_decode
+
+  dtype, f32 = jnp.dtype(a.dtype), jnp.float32
+  B, H, K, V, W = a.batch, a.heads, a.k, a.v, 4
+  C = 2 * H * K + H * V  # the conv's channels: q, k, v
+  lay = pallas_decode.Layout(H=H, HV=H, K=K, V=V, a=C, b=C + H, gate=C + 2 * H, eps=1e-6, allow_neg_eigval=True)
+  S = jax.ShapeDtypeStruct
+  args = (S((B, C + 2 * H + H * V), dtype), S((B, W - 1, C), dtype), S((W, C), dtype), None, S((H,), f32),
+          S((H,), f32), S((B, H, K, V), f32), S((V,), f32))
+  step = jax.jit(lambda *x: pallas_decode.fused_step(*x, layout=lay, interpret=False, block_v=block_v))
+  return [("decode", k) for k in triton_kernels(step, *args)]
+
+
 def main(argv=None) -> list:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--batch", type=int, default=1)
@@ -56,12 +78,18 @@ def main(argv=None) -> list:
   p.add_argument("--capability", type=int, default=90, help="the target's compute capability (90: H100/H200)")
   p.add_argument("--switch", action="append", metavar="MODULE.NAME=off,on",
                  help="a module switch under gdn: rows per setting; repeated, per combination")
+  p.add_argument("--decode", action="store_true", help="the decode-step kernel (pallas_decode) instead of the op's")
+  p.add_argument("--decode-block-v", default="", metavar="BV,...",
+                 help="with --decode: the value steps to compile, a row each (0 or none given: the kernel's default)")
   a = p.parse_args(argv)
+  steps = [int(x) or None for x in a.decode_block_v.split(",") if x.strip()] or [None]
   from gdn.bench.kernel_resources import resources
 
-  print(f"# method='pallas' kernels for sm_{a.capability}: B {a.batch}, T {a.length}, {a.heads} heads, K {a.k}, "
-        f"V {a.v}, chunk {a.chunk}, {a.dtype}, {a.decay} decay (Triton's own ptxas -v; shared memory over "
-        f"{H200_SHARED // 1024} KiB does not launch on an H200)")
+  what = (f"the decode-step kernel for sm_{a.capability}: B {a.batch}, {a.heads} heads, K {a.k}, V {a.v}, conv 4, "
+          f"{a.dtype}" if a.decode else
+          f"method='pallas' kernels for sm_{a.capability}: B {a.batch}, T {a.length}, {a.heads} heads, K {a.k}, "
+          f"V {a.v}, chunk {a.chunk}, {a.dtype}, {a.decay} decay")
+  print(f"# {what} (Triton's own ptxas -v; shared memory over {H200_SHARED // 1024} KiB does not launch on an H200)")
   switch = " setting |" if a.switch else ""
   print(f"|{switch} call | kernel | grid | warps | stages | registers | spill stores B | spill loads B | shared KiB |")
   print("|" + "---|" * (2 + bool(a.switch)) + "---|---:|---:|---:|---:|---:|---:|")
@@ -69,7 +97,8 @@ def main(argv=None) -> list:
   for setting in switch_settings(a.switch):
     restore = apply_setting(setting)
     try:
-      found = kernels_of(a)
+      found = ([(f"{call}, value step {bv or 'default'}", k) for bv in steps for call, k in decode_kernels_of(a, bv)]
+               if a.decode else kernels_of(a))
     finally:
       restore()
     for call, kernel in found:

@@ -56,7 +56,7 @@ MIN_BATCH = 8  # the smallest batch at which the default (None) runs the kernel
 BLOCK_V = 64  # value channels per step of a program's loop: a [128, 64] float32 state block is 64 registers a thread
 # Keys wider than 128 (the paper models' 256): value steps of 32, the [256, 32] block's 64 registers a thread.
 # Offline for sm_90 (Triton 3.9, ptxas -v, bfloat16, K = 256, V = 512, 4 warps): 226 registers and no spill at 32;
-# 228 bytes of spill stores at 64 (`gdn.bench.kernel_resources`).
+# 228 bytes of spill stores at 64 (`python -m experiments.kernel_resources --decode --k 256 --v 512`).
 BLOCK_V_WIDE = 32
 NUM_WARPS = 4
 NUM_STAGES = 1
