@@ -43,16 +43,19 @@ def apply_setting(setting: str):
   the previous values back."""
   if setting == "-":
     return lambda: None
-  restores = []
+  previous = []  # (module, name, value before), in the order set
+
+  def restore():
+    for mod, name, before in reversed(previous):
+      setattr(mod, name, before)
+
   for part in setting.split("+"):
     path, value = part.split("=")
     module, name = path.rsplit(".", 1)
     mod = importlib.import_module(f"gdn.{module}")
     if not hasattr(mod, name) or value not in SETTINGS:
-      for restore in reversed(restores):
-        restore()
+      restore()
       raise SystemExit(f"--switch: gdn.{module} has no setting {name!r}, or {value!r} is not one of off, on, auto")
-    before = getattr(mod, name)
+    previous.append((mod, name, getattr(mod, name)))
     setattr(mod, name, SETTINGS[value])
-    restores.append(lambda mod=mod, name=name, before=before: setattr(mod, name, before))
-  return lambda: [restore() for restore in reversed(restores)]
+  return restore
