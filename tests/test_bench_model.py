@@ -44,10 +44,12 @@ def test_switch_holds_for_the_run_and_is_put_back(capsys, fast_compile, monkeypa
 
   seen = []
   run_gdn = bench_model.run_gdn
+  default = pallas_chunk.BWD_STATES
+  flipped = "on" if not default else "off"
   monkeypatch.setattr(bench_model, "run_gdn", lambda *args: (seen.append(pallas_chunk.BWD_STATES), run_gdn(*args))[1])
-  rows = bench_model.main(TINY + ["--override", "model.num_layers=1", "--switch", "ops.pallas_chunk.BWD_STATES=on"])
-  assert seen == [True] and pallas_chunk.BWD_STATES is False and np.isfinite(rows[0]["loss"])
-  assert "gdn switch ops.pallas_chunk.BWD_STATES=on" in capsys.readouterr().out
+  rows = bench_model.main(TINY + ["--override", "model.num_layers=1", "--switch", f"ops.pallas_chunk.BWD_STATES={flipped}"])
+  assert seen == [not default] and pallas_chunk.BWD_STATES is default and np.isfinite(rows[0]["loss"])
+  assert f"gdn switch ops.pallas_chunk.BWD_STATES={flipped}" in capsys.readouterr().out
   with pytest.raises(SystemExit, match="no setting"):
     bench_model.main(TINY + ["--switch", "ops.pallas_chunk.NO_SUCH=on"])
 

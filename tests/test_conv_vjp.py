@@ -35,18 +35,24 @@ def _loss(conv, x, seg, s0, dy, activation):
   return f, params
 
 
+def _off_and_on(monkeypatch, switch, f, params, x, s0):
+  """((loss, grads) with the conv module's `switch` off, the same with it on); grads of the params, x and, where
+  given, the state."""
+  argnums = (0, 1) if s0 is None else (0, 1, 2)
+  out = []
+  for on in (False, True):
+    monkeypatch.setattr(conv_mod, switch, on)
+    out.append((jax.jit(f)(params, x, s0), jax.jit(jax.grad(f, argnums=argnums))(params, x, s0)))
+  return out
+
+
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 @pytest.mark.parametrize("bias,segments,state,activation", [
     (False, False, False, "silu"), (True, True, False, "silu"), (True, False, True, None), (False, True, True, None)])
 def test_same_outputs_and_gradients_as_autodiff(monkeypatch, dtype, tol, bias, segments, state, activation):
   conv, x, seg, s0, dy = _setup(dtype, bias, segments, state)
   f, params = _loss(conv, x, seg, s0, dy, activation)
-  argnums = (0, 1, 2) if state else (0, 1)
-  run = lambda: (jax.jit(f)(params, x, s0), jax.jit(jax.grad(f, argnums=argnums))(params, x, s0))
-  monkeypatch.setattr(conv_mod, "CONV_VJP", False)
-  want, dwant = run()
-  monkeypatch.setattr(conv_mod, "CONV_VJP", True)
-  got, dgot = run()
+  (want, dwant), (got, dgot) = _off_and_on(monkeypatch, "CONV_VJP", f, params, x, s0)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # the forward is the same program
   for a, b in zip(jax.tree.leaves(dgot), jax.tree.leaves(dwant)):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -77,3 +83,27 @@ def test_keeps_only_the_padded_input(monkeypatch):
   assert kept[True] < kept[False]
   # The padded input in bfloat16, plus the weight and bias (float32 copies in x's dtype), nothing per tap.
   assert kept[True] <= B * (T + 3) * C * 2 + 2 * 5 * C * 4, kept
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias,state,activation", [(False, False, "silu"), (True, True, "silu"), (True, False, None)])
+def test_lax_conv_matches_the_taps(monkeypatch, dtype, tol, bias, state, activation):
+  """CONV_LAX: the taps as one depthwise convolution; outputs and gradients (weight, bias, input, state) those of
+  the taps' autodiff, to the dtype's rounding, and the program holds the convolution."""
+  conv, x, _, s0, dy = _setup(dtype, bias, False, state)
+  f, params = _loss(conv, x, None, s0, dy, activation)
+  (want, dwant), (got, dgot) = _off_and_on(monkeypatch, "CONV_LAX", f, params, x, s0)
+  assert "conv_general_dilated" in str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(params, x, s0))
+  assert abs(float(got) - float(want)) <= tol * max(1.0, abs(float(want)))
+  for a, b in zip(jax.tree.leaves(dgot), jax.tree.leaves(dwant)):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert a.shape == b.shape
+    assert np.max(np.abs(a - b)) <= tol * max(1.0, np.max(np.abs(b))), (a, b)
+
+
+def test_lax_conv_leaves_segments_to_the_taps(monkeypatch):
+  """With segment ids CONV_LAX changes nothing: the per-tap mask is not a convolution, so the taps run."""
+  conv, x, seg, _, dy = _setup(jnp.float32, True, True, False)
+  f, params = _loss(conv, x, seg, None, dy, "silu")
+  monkeypatch.setattr(conv_mod, "CONV_LAX", True)
+  assert "conv_general_dilated" not in str(jax.make_jaxpr(jax.grad(f))(params, x, None))

@@ -42,9 +42,12 @@ def local_inputs(seed, L, C, K, V, dtype, *, g_min=None, segments=False):
   return arrays, masks
 
 
-def local_vjp(monkeypatch, own, arrays, masks, prec, seed=3):
-  """(outputs, input cotangents) of `local` for random cotangents of all eight outputs, with LOCAL_VJP = own."""
+def local_vjp(monkeypatch, own, arrays, masks, prec, seed=3, lowp=False):
+  """(outputs, input cotangents) of `local` for random cotangents of all eight outputs, with LOCAL_VJP = own and
+  LOWP_SOLVE = lowp (here off by default: the 16-bit solve rounds at different points in the two VJPs, so they
+  agree only to bfloat16 rounding; tests/test_lowp_solve.py holds that setting)."""
   monkeypatch.setattr(intra_chunk, "LOCAL_VJP", own)
+  monkeypatch.setattr(intra_chunk, "LOWP_SOLVE", lowp)
   fn = lambda *xs: intra_chunk.local(*xs, masks, beta_kind="head", prec=prec)
   out, vjp = jax.vjp(fn, *arrays)
   rng = np.random.default_rng(seed)
@@ -76,9 +79,10 @@ def test_vjp_equals_autodiff(monkeypatch, C, K, V, segments, g_min, dtype, prec)
 def test_saves_only_inputs_and_inverse(monkeypatch, own):
   """With LOCAL_VJP the stage is a custom_vjp call, and the backward keeps the inputs and the float32 inverse
   [L, C, C], nothing else. Autodiff (with the inverse's autodiff too) has no custom_vjp call and keeps the
-  intermediates."""
+  intermediates. (With LOWP_SOLVE, the default, that inverse is kept in the inputs' bfloat16; off here.)"""
   monkeypatch.setattr(intra_chunk, "LOCAL_VJP", own)
   monkeypatch.setattr(intra_chunk, "INVERSE_VJP", False)
+  monkeypatch.setattr(intra_chunk, "LOWP_SOLVE", False)
   arrays, masks = local_inputs(0, 3, 32, 16, 16, jnp.bfloat16, segments=True)
   fn = lambda *xs: intra_chunk.local(*xs[:5], xs[5:], beta_kind="head", prec=jax.lax.Precision.DEFAULT)
   eqns = jax.make_jaxpr(fn)(*arrays, *masks).eqns

@@ -62,19 +62,30 @@ def kept(fn, arrays, masks):
 
 @pytest.mark.parametrize("inverse_vjp", [True, False])
 def test_residuals_are_16_bit(monkeypatch, inverse_vjp):
-  """bfloat16 inputs: off, `local`'s backward keeps a float32 [L, C, K + V] (the right-hand sides); on, none, and
-  the inverse it keeps (INVERSE_VJP) is bfloat16, not float32."""
+  """bfloat16 inputs: off, `local`'s backward keeps a float32 [L, C, K + V] (the right-hand sides); on, the two
+  right-hand sides apart, bfloat16 [L, C, K] and [L, C, V], and the inverse it keeps (INVERSE_VJP) is bfloat16, not
+  float32. On, no [L, C, K + V] array is made in the forward or the backward (off, the backward sums the padded
+  cotangents of W and U into a float32 one)."""
   monkeypatch.setattr(intra_chunk, "INVERSE_VJP", inverse_vjp)
   L, C, K, V = 3, 32, 16, 8
   arrays, masks = local_inputs(1, L, C, K, V, jnp.bfloat16, segments=True)
   fn = lambda *xs: intra_chunk.local(*xs[:5], xs[5:], beta_kind="head", prec=PREC)
-  res = {}
+
+  def joint(on):  # the [L, C, K + V] arrays in the jaxpr of the forward and its VJP
+    def vjp(*xs):
+      out, pull = jax.vjp(fn, *xs)
+      return pull(out)
+    jaxpr = jax.make_jaxpr(vjp)(*arrays, *masks)
+    return [str(v.aval) for e in jaxpr.eqns for v in e.outvars if getattr(v.aval, "shape", ()) == (L, C, K + V)]
+
+  res, joints = {}, {}
   for on in (False, True):
     monkeypatch.setattr(intra_chunk, "LOWP_SOLVE", on)
-    res[on] = kept(fn, arrays, masks)
+    res[on], joints[on] = kept(fn, arrays, masks), joint(on)
   assert ((L, C, K + V), "float32") in res[False]
-  assert ((L, C, K + V), "float32") not in res[True], res[True]
-  assert ((L, C, K + V), "bfloat16") in res[True], res[True]
+  assert not any(shape == (L, C, K + V) for shape, _ in res[True]), res[True]
+  assert ((L, C, K), "bfloat16") in res[True] and ((L, C, V), "bfloat16") in res[True], res[True]
+  assert "float32[3,32,24]" in joints[False] and joints[True] == [], joints[True]
   if inverse_vjp:
     assert ((L, C, C), "bfloat16") in res[True] and ((L, C, C), "bfloat16") not in res[False]
     assert sum(r == ((L, C, C), "float32") for r in res[True]) < sum(r == ((L, C, C), "float32") for r in res[False])
@@ -88,8 +99,8 @@ def test_local_vjp_keeps_16_bit_inverse(monkeypatch):
   monkeypatch.setattr(intra_chunk, "LOCAL_VJP", True)
   fn = lambda *xs: intra_chunk.local(*xs[:5], xs[5:], beta_kind="head", prec=PREC)
   assert kept(fn, arrays, masks) == [((3, 32, 32), "bfloat16")]
-  _, got = local_vjp(monkeypatch, True, arrays, masks, PREC)
-  _, want = local_vjp(monkeypatch, False, arrays, masks, PREC)
+  _, got = local_vjp(monkeypatch, True, arrays, masks, PREC, lowp=True)
+  _, want = local_vjp(monkeypatch, False, arrays, masks, PREC, lowp=True)
   for name, a, b in zip(["q", "k", "v", "g", "beta"], got, want):
     assert a.dtype == b.dtype, name
     assert rel(np.asarray(a, np.float64), np.asarray(b, np.float64)) < 2e-2, name

@@ -29,12 +29,13 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 @functools.lru_cache(maxsize=None)
-def _fwd_bwd(present, chunk_size, block_v, interpret, fused_output=False, bwd_states=False):
+def _fwd_bwd(present, chunk_size, block_v, interpret, fused_output=False, bwd_states=None):
   """Jitted forward + VJP with fixed cotangents. With block_v and interpret None, through the public
   `gated_delta_rule(method="pallas")`; else through `pallas_chunk.pallas`, which takes them. fused_output:
   `pallas_chunk.FUSED_OUTPUT` as the caller set it (the switch is read at trace time, so it keys the cache); when
   true, the forward-only (o, S) come too, the only call that runs the fused output kernel. bwd_states:
-  `pallas_chunk.BWD_STATES` as the caller set it, likewise read at trace time (a key of the cache only)."""
+  `pallas_chunk.BWD_STATES` as the caller set it (None: left at its default), likewise read at trace time (a key
+  of the cache only)."""
 
   def f(diff, segment_ids, co):
     def op(diff):
@@ -95,14 +96,17 @@ def test_bfloat16_inputs():
 
 @pytest.mark.parametrize("g_kind, beta_kind, C, block_v", [CASES[1], CASES[3]])
 def test_backward_states_against_oracle(monkeypatch, g_kind, beta_kind, C, block_v):
-  """BWD_STATES: the backward kernel writes dS per chunk and XLA forms dW, dk_end and ddecay over the whole of V
-  (two value blocks here, so the sums cross blocks); with and without the delta rule, float32 and bfloat16."""
-  monkeypatch.setattr(pallas_chunk, "BWD_STATES", True)
+  """The backward kernel that BWD_STATES does not pick (the default run is tested above): with BWD_STATES on it
+  writes dS per chunk and XLA forms dW, dk_end and ddecay over the whole of V (two value blocks here, so the sums
+  cross blocks); off, each value block writes its float32 partial sums of them. With and without the delta rule,
+  float32 and bfloat16."""
+  flag = not pallas_chunk.BWD_STATES
+  monkeypatch.setattr(pallas_chunk, "BWD_STATES", flag)
   x = make_inputs(21, 2, 35, 2, 4, 5, 19, g_kind, beta_kind, segments=True)
-  assert_close(run_pallas(x, chunk_size=C, block_v=block_v), oracle(x), 1e-5, f"dS per chunk g={g_kind} "
+  assert_close(run_pallas(x, chunk_size=C, block_v=block_v), oracle(x), 1e-5, f"BWD_STATES={flag} g={g_kind} "
                f"beta={beta_kind}")
   x_bf, x_ref = bfloat16_inputs(make_inputs(23, 2, 40, 2, 2, 16, 32, g_kind, beta_kind))
-  assert_close(run_pallas(x_bf, chunk_size=C, block_v=16), oracle(x_ref), 2e-2, f"bf16 dS per chunk g={g_kind}")
+  assert_close(run_pallas(x_bf, chunk_size=C, block_v=16), oracle(x_ref), 2e-2, f"bf16 BWD_STATES={flag} g={g_kind}")
 
 
 def test_backward_states_kernel_replaces_the_partial_sums(monkeypatch):
@@ -221,7 +225,7 @@ def test_kernels_lower_to_triton():
 def test_fused_output_kernel_lowers_to_triton(monkeypatch, beta_kind):
   """With FUSED_OUTPUT the forward-only call lowers to the fused kernel for CUDA (bfloat16, C = 64, K = V = 128,
   two value blocks; per-value-channel beta: its solve over four blocks of rows); the differentiated call to the
-  unfused forward and the backward kernel. (FUSED_LOCAL off: compiled, the chunk-local kernel would be a fourth.)"""
+  unfused forward and the backward kernel (BWD_STATES' where it applies). (FUSED_LOCAL off: compiled, the chunk-local kernel would be a fourth.)"""
   monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", True)
   monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", False)
   x, _ = bfloat16_inputs(make_inputs(30, 1, 128, 1, 2, 128, 128, "head", beta_kind))
@@ -229,7 +233,8 @@ def test_fused_output_kernel_lowers_to_triton(monkeypatch, beta_kind):
   co = (jnp.ones((1, 128, 2, 128), jnp.bfloat16), jnp.ones((1, 2, 128, 128)))
   hlo = cuda_hlo(_fwd_bwd(tuple(sorted(diff)), 64, None, False, True), diff, None, co)
   assert hlo.count("__gpu$xla.gpu.triton") == 3
-  assert all(hlo.count(name) >= 1 for name in ("gdn_chunk_output_fwd", "gdn_chunk_states_fwd", "gdn_chunk_states_bwd"))
+  bwd = "gdn_chunk_dstates_bwd" if pallas_chunk.BWD_STATES and beta_kind == "head" else "gdn_chunk_states_bwd"
+  assert all(hlo.count(name) >= 1 for name in ("gdn_chunk_output_fwd", "gdn_chunk_states_fwd", bwd))
 
 
 def test_backward_states_kernel_lowers_to_triton(monkeypatch):
@@ -329,15 +334,16 @@ def _sharded_child():
     errs.update({f"d{n}": rel(np.asarray(grads[n]), np.asarray(g_ref[n])) for n in grads})
     out.append({"case": f"g={g_kind} beta={beta_kind}", "errors": errs, "all_gathers": hlo.count("all-gather"),
                 "o_stays_sharded": o.sharding.is_equivalent_to(rows, o.ndim)})
-    if beta_kind == "head":  # BWD_STATES' backward kernel op, partitioned the same way
-      pallas_chunk.BWD_STATES = True
-      fn = _fwd_bwd(tuple(sorted(diff)), 8, None, None, False, True)
+    if beta_kind == "head":  # the other backward kernel's op (BWD_STATES flipped), partitioned the same way
+      default = pallas_chunk.BWD_STATES
+      pallas_chunk.BWD_STATES = not default
+      fn = _fwd_bwd(tuple(sorted(diff)), 8, None, None, False, not default)
       hlo = fn.lower(*args).compile().as_text()
       o, S, grads = fn(*args)
-      pallas_chunk.BWD_STATES = False
+      pallas_chunk.BWD_STATES = default
       errs = {"o": rel(np.asarray(o), np.asarray(o_ref))}
       errs.update({f"d{n}": rel(np.asarray(grads[n]), np.asarray(g_ref[n])) for n in grads})
-      out.append({"case": f"dS per chunk, g={g_kind} beta={beta_kind}", "errors": errs,
+      out.append({"case": f"BWD_STATES={not default}, g={g_kind} beta={beta_kind}", "errors": errs,
                   "all_gathers": hlo.count("all-gather"), "o_stays_sharded": o.sharding.is_equivalent_to(rows, o.ndim)})
     # The forward-only call with FUSED_OUTPUT (the fused kernel's op) against the same one-device results.
     pallas_chunk.FUSED_OUTPUT = True

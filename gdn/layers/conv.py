@@ -20,6 +20,11 @@ from gdn.layers.segments import segment_index
 # tokens, d_model 2048) XLA:GPU's autodiff program already peaks no higher (9.60 GiB both) and runs 4% faster
 # (docs/benchmarks.md, "What the layer's backward keeps").
 CONV_VJP = False
+# The taps as one depthwise `lax.conv_general_dilated` (feature_group_count = C, no segments: a segment mask per
+# tap and position is not a convolution): XLA:GPU lowers it and its two gradient convolutions to cuDNN kernels,
+# in place of the shifted slices, pads and column reductions of the taps' autodiff. Off until timed
+# (`experiments/bench_conv.py`). Read at trace time; CONV_VJP, where on, takes precedence.
+CONV_LAX = False
 
 
 def _taps(xp, w, b, keep, T: int):
@@ -30,6 +35,15 @@ def _taps(xp, w, b, keep, T: int):
     if keep is not None:
       tap = jnp.where(keep[..., j, None], tap, 0)
     y = y + tap
+  return y if b is None else y + b
+
+
+def _lax_taps(xp, w, b, T: int):
+  """`_taps` without segments as one depthwise convolution: y[t, c] = sum_j xp[t + j, c] w[j, c] (+ b)."""
+  C = xp.shape[-1]
+  y = jax.lax.conv_general_dilated(xp, w[:, None, :], window_strides=(1,), padding="VALID",
+                                   dimension_numbers=("NWC", "WIO", "NWC"), feature_group_count=C)
+  assert y.shape[1] == T, (y.shape, T)
   return y if b is None else y + b
 
 
@@ -137,6 +151,8 @@ class ShortConv(nnx.Module):
       raise ValueError(f"activation must be None or 'silu', got {activation!r}")
     if CONV_VJP:
       y = causal_conv(xp, w, b, keep, T, activation)
+    elif CONV_LAX and keep is None:
+      y = _activate(_lax_taps(xp, w, b, T), activation)
     else:
       y = _activate(_taps(xp, w, b, keep, T), activation)
     return y, xp[:, T:]

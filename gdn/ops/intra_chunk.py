@@ -41,8 +41,10 @@ LOCAL_VJP = False
 # [beta k_dec, beta v] and the inverse T rounded to the inputs' dtype before their matmul (products exact and
 # accumulated in float32, as `mm`), so the two [L, C, K + V] and [L, C, C] arrays the backward keeps, the inverse's
 # own VJP residual included, and their cotangents are 16-bit; False, both float32. float32 and float64 inputs are
-# unaffected. Read at trace time, like LOCAL_VJP. Off until timed on a GPU.
-LOWP_SOLVE = False
+# unaffected. Read at trace time, like LOCAL_VJP. On the H200 True took the Gated DeltaNet layer's bfloat16
+# training step (d_model 2048, 8 x 8192 tokens, pallas) from 30.21 to 29.06 ms and its peak from 9.60 to 8.98 GiB;
+# on CPU it adds up to 25% to the bfloat16 pipeline's errors against the float64 oracle (docs/benchmarks.md).
+LOWP_SOLVE = True
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -199,11 +201,17 @@ def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str):
   b = beta[..., None]
   # The solve's operand dtype: 16-bit inputs' with LOWP_SOLVE, else None (as computed: float32 or float64).
   sdt = odt if LOWP_SOLVE and solver == "blocked" and jnp.dtype(odt).itemsize == 2 else None
-  lo = lambda x: x if sdt is None else x.astype(sdt)
-  rhs = jnp.concatenate([lo(b * k_dec), lo(b * v)], axis=-1)
+  if sdt is not None:
+    # W and U as two products with the 16-bit T, each rounded to 16 bits where it is made: no [L, C, K + V]
+    # right-hand side to concatenate, and in the backward no float32 [L, C, K + V] cotangent of the joint result
+    # (the sum of its two slices' padded cotangents, the largest buffer at the layer's peak on the card).
+    T = invert_unit_lower(b * A, prec, dtype=sdt)
+    W, U = (mm("...ti,...ix->...tx", T, (b * x).astype(sdt), precision=prec).astype(sdt) for x in (k_dec, v))
+    return out(A, W, U), T
+  rhs = jnp.concatenate([b * k_dec, b * v], axis=-1)
   T = None
   if solver == "blocked":
-    T = invert_unit_lower(b * A, prec, dtype=sdt)
+    T = invert_unit_lower(b * A, prec)
     X = mm("...ti,...ix->...tx", T, rhs, precision=prec)
   else:
     X = solve_unit_lower(b * A, rhs)

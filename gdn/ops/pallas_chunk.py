@@ -32,7 +32,7 @@ as it reads W and k_end). That serves forward-only calls
 program (the state-pass kernel writing S_in and U, the output in XLA), and its backward the backward kernel
 after the VJP of that product. Segments need nothing of their own: their masks are in q_dec, P, k_end, decay.
 
-With `BWD_STATES` the backward kernel carries only dS and writes each chunk's leaving-state cotangent
+With `BWD_STATES` (the default) the backward kernel carries only dS and writes each chunk's leaving-state cotangent
 dS[n] [Kp, BV] and dU[n]; dW = -dU S_in^T, dk_end = U dS^T and ddecay = sum_v S_in * dS are then batched matmuls
 in XLA over the whole of V (fla's split), instead of per-value-block partial sums from the kernel.
 
@@ -93,13 +93,15 @@ SUB = 16  # rows of a block of the per-value-channel solve (`_channel_solve`): T
 # XLA, batched matmuls over the whole of V; the kernel then reads neither S_in nor U and holds one state-sized
 # block in registers. False, the kernel computes those three products per value block and writes them as float32
 # partial sums [L, V / BV, N, Cp, Kp] that XLA adds up: at K = 256, V = 512 (the 340M model) eight of them per
-# chunk. Off until timed on a GPU (docs/benchmarks.md).
-BWD_STATES = False
+# chunk. On the H200 (bfloat16) True took the op's forward+backward to 0.92-0.96x at the five benchmark shapes and
+# the 340M model's step from 533.6 to 510.0 ms and 39.4 to 37.2 GiB (docs/benchmarks.md).
+BWD_STATES = True
 # Launch settings for keys wider than 128 (the paper models' head dim 256): True, value blocks of 32 and eight
 # warps for the state-pass kernels (two pipeline stages on bfloat16 operands for the forward and dS ones), and eight
 # warps for the fused chunk-local kernel. Offline for sm_90 (Triton 3.9, ptxas -v, bfloat16, K = 256, V = 512;
 # `experiments/kernel_resources.py`) these spill nothing, where the K = 128 launch (blocks of 64, four warps) spills
-# 100-800 bytes in every kernel. False: the K = 128 launch at every width. Off until timed on a GPU
+# 100-800 bytes in every kernel. False: the K = 128 launch at every width. Off: on the H200 it made the 340M
+# model's step slower despite the spills it removes, 533.6 -> 633.4 ms alone and 510.0 -> 528.3 ms with BWD_STATES
 # (docs/benchmarks.md).
 WIDE_KEYS = False
 
