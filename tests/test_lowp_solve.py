@@ -118,3 +118,32 @@ def test_inverse_in_16_bit():
   (dL,), (dL16,) = vjp(ct), vjp16(ct.astype(jnp.bfloat16))
   assert dL16.dtype == jnp.float32
   assert rel(np.asarray(dL16, np.float64), np.asarray(dL, np.float64)) < 1e-2
+
+
+def test_products_backward_without_transposes(monkeypatch):
+  """On, the VJP of W = T (beta k_dec) and U = T (beta v) forms T^T dW and T^T dU in their own layout (off,
+  autodiff forms the joint [L, K + V, C] and transposes it), from the 16-bit cotangent, as autodiff's to bfloat16
+  rounding."""
+  L, C, K, V = 3, 32, 16, 8
+  arrays, masks = local_inputs(4, L, C, K, V, jnp.bfloat16, segments=True)
+  fn = lambda *xs: intra_chunk.local(*xs[:5], xs[5:], beta_kind="head", prec=PREC)
+
+  def transposed(on):
+    def vjp(*xs):  # a new function per setting: make_jaxpr caches traces by function
+      out, pull = jax.vjp(fn, *xs)
+      return pull(jax.tree.map(jnp.ones_like, out))
+
+    monkeypatch.setattr(intra_chunk, "LOWP_SOLVE", on)
+    eqns = jax.make_jaxpr(vjp)(*arrays, *masks).eqns
+    return [e.invars[0].aval.shape for e in eqns if e.primitive.name == "transpose"]
+
+  assert (L, K + V, C) in transposed(False)  # off: the joint product's
+  assert not {(L, K, C), (L, V, C), (L, K + V, C)} & set(transposed(True))
+  T = jnp.asarray(np.tril(np.random.default_rng(0).normal(size=(L, C, C))), jnp.bfloat16)
+  R = jnp.asarray(np.random.default_rng(1).normal(size=(L, C, K)), jnp.bfloat16)
+  dY = jnp.asarray(np.random.default_rng(2).normal(size=(L, C, K)), jnp.bfloat16)
+  got = jax.vjp(lambda T, R: intra_chunk._apply_lowp(PREC, T, R), T, R)[1](dY)
+  want = jax.vjp(lambda T, R: intra_chunk.mm("...ti,...ix->...tx", T, R, precision=PREC).astype(R.dtype), T, R)[1](dY)
+  for a, b in zip(got, want):
+    assert a.dtype == b.dtype == jnp.bfloat16
+    assert rel(np.asarray(a, np.float64), np.asarray(b, np.float64)) < 1e-2

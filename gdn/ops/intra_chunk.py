@@ -206,7 +206,7 @@ def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str):
     # right-hand side to concatenate, and in the backward no float32 [L, C, K + V] cotangent of the joint result
     # (the sum of its two slices' padded cotangents, the largest buffer at the layer's peak on the card).
     T = invert_unit_lower(b * A, prec, dtype=sdt)
-    W, U = (mm("...ti,...ix->...tx", T, (b * x).astype(sdt), precision=prec).astype(sdt) for x in (k_dec, v))
+    W, U = (_apply_lowp(prec, T, (b * x).astype(sdt)) for x in (k_dec, v))
     return out(A, W, U), T
   rhs = jnp.concatenate([b * k_dec, b * v], axis=-1)
   T = None
@@ -217,6 +217,30 @@ def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str):
     X = solve_unit_lower(b * A, rhs)
   K = k.shape[-1]
   return out(A, X[..., :K], X[..., K:]), T
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _apply_lowp(prec, T, R):
+  """T R [.., C, X] for 16-bit T [.., C, C] and R [.., C, X]: accumulated in float32, returned in their dtype
+  (LOWP_SOLVE's W and U). Its VJP takes the 16-bit cotangent as it comes: dT = dY R^T and dR = T^T dY are 16-bit
+  products accumulating in float32, each written in the layout it is returned in. (Autodiff would widen dY to
+  float32, multiply float32 by 16-bit operands, and form T^T dY as [.., X, C] and then transpose it.)"""
+  return mm("...ti,...ix->...tx", T, R, precision=prec).astype(R.dtype)
+
+
+def _apply_lowp_fwd(prec, T, R):
+  return _apply_lowp(prec, T, R), (T, R)
+
+
+def _apply_lowp_bwd(prec, res, dY):
+  T, R = res
+  dY = dY.astype(R.dtype)
+  dT = mm("...tx,...ix->...ti", dY, R, precision=prec).astype(T.dtype)
+  dR = mm("...ti,...tx->...ix", T, dY, precision=prec).astype(R.dtype)
+  return dT, dR
+
+
+_apply_lowp.defvjp(_apply_lowp_fwd, _apply_lowp_bwd)
 
 
 def _cumsum_excl(x, axis):
