@@ -18,7 +18,9 @@ from gdn.layers.segments import segment_index
 # mask, and recomputes the taps (and the SiLU's input) in the backward. False: JAX's autodiff of the taps, which
 # keeps every shifted slice of the input and the pre-activation as residuals. Off: on an H200 (one layer, 8 x 8192
 # tokens, d_model 2048) XLA:GPU's autodiff program already peaks no higher (9.60 GiB both) and runs 4% faster
-# (docs/benchmarks.md, "What the layer's backward keeps").
+# (docs/benchmarks.md, "What the layer's backward keeps"). Since then its backward writes the pre-activation's
+# cotangent once (an optimization barrier) instead of letting XLA recompute it in each reader: not yet timed
+# (`experiments/bench_conv.py --switch layers.conv.CONV_VJP=off,on`).
 CONV_VJP = False
 # The taps as one depthwise `lax.conv_general_dilated` (feature_group_count = C, no segments: a segment mask per
 # tap and position is not a convolution): XLA:GPU lowers it and its two gradient convolutions to cuDNN kernels,
@@ -72,6 +74,9 @@ def _conv_bwd(T, activation, res, dy):
     s = jax.nn.sigmoid(y)
     dy = dy.astype(f32) * s * (1 + y * (1 - s))
   dy = dy.astype(dt)  # the pre-activation's cotangent in the inputs' dtype, as autodiff of the taps has it
+  # Written once: otherwise XLA fuses its recomputation (the taps, the SiLU's derivative) into each of its W
+  # shifted readers and W weight sums, reading the input W times per reader.
+  dy = jax.lax.optimization_barrier(dy)
   taps = [dy if keep is None else jnp.where(keep[..., j, None], dy, 0) for j in range(W)]
   # Tap j read xp[:, j:j+T]: its cotangent enters there. Padded shifts summed in one expression (no scatter).
   dxp = sum(jnp.pad(d * w[j], ((0, 0), (j, W - 1 - j), (0, 0))) for j, d in enumerate(taps))
