@@ -251,10 +251,36 @@ def unchunk(o, dims: checks.Dims, C: int):
   return o[:, :dims.T]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def outputs_in(prec, out_dtype, q_dec, P, S_in, U):
+  """`chunk_outputs` rounded to `out_dtype` (the op's output dtype) where it is made, with its own VJP: from the
+  cotangent in `out_dtype` as it comes, dq_dec = dO S_in^T, dS_in = Q_dec^T dO, dP = dO U^T and dU = P^T dO, each
+  accumulated in float32 and formed in the layout it is returned in. (Autodiff of the float32 product and the
+  cast widens dO to float32 and forms dS_in and dP transposed, then transposes them.)"""
+  return chunk_outputs(q_dec, P, S_in, U, prec).astype(out_dtype)
+
+
+def _outputs_in_fwd(prec, out_dtype, q_dec, P, S_in, U):
+  return outputs_in(prec, out_dtype, q_dec, P, S_in, U), (q_dec, P, S_in, U)
+
+
+def _outputs_in_bwd(prec, out_dtype, res, dO):
+  q_dec, P, S_in, U = res
+  mm = lambda spec, a, b, like: intra_chunk.mm(spec, a, b, precision=prec).astype(like.dtype)
+  return (mm("...cv,...kv->...ck", dO, S_in, q_dec), mm("...cv,...iv->...ci", dO, U, P),
+          mm("...ck,...cv->...kv", q_dec, dO, S_in), mm("...ci,...cv->...iv", P, dO, U))
+
+
+outputs_in.defvjp(_outputs_in_fwd, _outputs_in_bwd)
+
+
 @checks.scoped("output")
-def finish(loc, S_in, U, prec, dims: checks.Dims, C: int):
-  """o = Q_dec S_in + P U, back to [B, T, HV, V]."""
-  return unchunk(chunk_outputs(loc.q_dec, loc.P, S_in, U, prec), dims, C)
+def finish(loc, S_in, U, prec, dims: checks.Dims, C: int, out_dtype=None):
+  """o = Q_dec S_in + P U, back to [B, T, HV, V]: float32 (float64 for float64 operands), or with `out_dtype`
+  rounded to it before the relayout (`outputs_in`: the same values, half the bytes moved for 16-bit outputs)."""
+  if out_dtype is None:
+    return unchunk(chunk_outputs(loc.q_dec, loc.P, S_in, U, prec), dims, C)
+  return unchunk(outputs_in(prec, jnp.dtype(out_dtype), loc.q_dec, loc.P, S_in, U), dims, C)
 
 
 def initial(initial_state, dims, cdt):
@@ -280,7 +306,7 @@ def chunk(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.D
       return unchunk(O, dims, chunk_size), S_T
     S_T, S_in, U = scan_chunks(loc, bc, S0, prec)
     S_in, U = checkpoint_name(S_in, STATES), checkpoint_name(U, WRITES)
-    return finish(loc, S_in, U, prec, dims, chunk_size), S_T
+    return finish(loc, S_in, U, prec, dims, chunk_size, out_dtype=v.dtype), S_T
 
   if remat:
     run = jax.checkpoint(run, policy=jax.checkpoint_policies.save_only_these_names(STATES))

@@ -723,8 +723,8 @@ def pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.
     if switch(FUSED_OUTPUT):
       out_dtype = v.dtype if v.dtype.itemsize < 4 else jnp.float32  # 16-bit: the op's output dtype
       O, S_T = output_pass(loc, S0, prec, beta=bc, out_dtype=out_dtype, block_v=block_v, interpret=interpret)
-      return unchunk(O.astype(cdt), dims, chunk_size), S_T.astype(cdt)
+      return unchunk(O.astype(v.dtype), dims, chunk_size), S_T.astype(cdt)  # O: out_dtype, v's for 16 bits
     S_T, S_in, U = state_pass(loc, S0, prec, beta=bc, block_v=block_v, interpret=interpret)
-    return finish(loc, S_in, U, prec, dims, chunk_size), S_T.astype(cdt)
+    return finish(loc, S_in, U, prec, dims, chunk_size, out_dtype=v.dtype), S_T.astype(cdt)
 
   return isolate_segments(run)(q, k, v, g, beta, initial_state, segment_ids)
