@@ -39,8 +39,9 @@ LOCAL_GROUPS = 1
 LOCAL_VJP = False
 # The W/U solve's operands with 16-bit q, k, v (blocked solver, per-head beta): True, the right-hand sides
 # [beta k_dec, beta v] and the inverse T rounded to the inputs' dtype before their matmul (products exact and
-# accumulated in float32, as `mm`), so the two [L, C, K + V] and [L, C, C] arrays the backward keeps, the inverse's
-# own VJP residual included, and their cotangents are 16-bit; False, both float32. float32 and float64 inputs are
+# accumulated in float32, as `mm`), and W and U made as two products with their own VJP (`_apply_lowp`), so the
+# [L, C, K], [L, C, V] and [L, C, C] arrays the backward keeps, the inverse's own VJP residual included, and their
+# cotangents are 16-bit; False, one joint float32 [L, C, K + V] right-hand side and a float32 inverse. float32 and float64 inputs are
 # unaffected. Read at trace time, like LOCAL_VJP. On the H200 True took the Gated DeltaNet layer's bfloat16
 # training step (d_model 2048, 8 x 8192 tokens, pallas) from 30.21 to 29.06 ms and its peak from 9.60 to 8.98 GiB;
 # on CPU it adds up to 25% to the bfloat16 pipeline's errors against the float64 oracle (docs/benchmarks.md).
