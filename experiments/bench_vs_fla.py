@@ -26,6 +26,11 @@ five gradients). The goal of the project's issue: gdn / fla at most 0.5 forward 
   python -m experiments.bench_vs_fla --variant kda
   python -m experiments.bench_vs_fla --variant kda --shapes 1,8192,96,128 4,4096,64,128
   python -m experiments.bench_vs_fla --gdn-only --shapes 1,64,1,16 --reps 1   # CPU smoke: gdn's columns only
+  python -m experiments.bench_vs_fla --variant kda --switch intra_chunk.SEGSUM_MATMUL=off,on
+
+--switch MODULE.NAME=a,b prints the table once per setting of the module switch `gdn.ops.<MODULE>.<NAME>` (read
+by the op at trace time; "off", "on", "auto" for False, True, None), gdn's side traced with it set and the
+setting restored after; fla is timed again beside each, so every table's ratios come from one clock.
 
 Without torch, fla or CUDA (or with --gdn-only) fla is skipped, its cells say "-", and gdn runs alone (on CPU in
 Pallas' interpreter, which times nothing useful). fla 0.6.0 refuses its gated backward on Hopper with Triton <
@@ -211,13 +216,14 @@ def free(torch=None):
     torch.cuda.empty_cache()
 
 
-def gdn_profile_in_child(a, shape) -> dict:
+def gdn_profile_in_child(a, shape, switch_arg=None) -> dict:
   """gdn's profile at `shape` (a profiles() dict, or {"error": ...}), traced in a child process: this script with
-  gdn alone (gdn.bench.profile.jax_profile_in_child)."""
+  gdn alone (gdn.bench.profile.jax_profile_in_child), with `switch_arg` (MODULE.NAME=setting) as its --switch."""
   from gdn.bench.profile import jax_profile_in_child
 
   argv = ["--gdn-only", "--variant", a.variant, "--shapes", ",".join(map(str, shape)), "--dtype", a.dtype,
           "--g-dtype", a.g_dtype, "--reps", "1", "--profile", str(a.profile)]
+  argv += ["--switch", switch_arg] if switch_arg else []
   return jax_profile_in_child("experiments.bench_vs_fla", argv)[0]
 
 
@@ -241,10 +247,13 @@ def main(argv=None) -> list:
                  help="after each shape, the N kernels of each side's forward+backward that take the most device "
                       "time (and gdn's time per named stage), from a profiler trace of 5 calls (gdn's in a child "
                       "process)")
+  p.add_argument("--switch", metavar="MODULE.NAME=off,on",
+                 help="one table per setting of the gdn.ops module switch, e.g. intra_chunk.SEGSUM_MATMUL=off,on")
   p.add_argument("--profile-json", metavar="PATH", help=argparse.SUPPRESS)  # a profiling child's output
   a = p.parse_args(argv)
   if a.fla_safe_gate and a.variant != "kda":
     p.error("--fla-safe-gate is for --variant kda")
+  switch = parse_switch(p, a.switch)
   shapes = parse_shapes(a.shapes) if a.shapes else PRESETS[a.preset]["shapes"]
   torch, why = fla_available(a.gdn_only)
   head = (f"# {a.variant}: gdn method='pallas' vs fla {VARIANTS[a.variant]['fla'][1]}, one process, same inputs; "
@@ -263,6 +272,56 @@ def main(argv=None) -> list:
     head += f"; fla skipped: {why}"
   print(head + f"; {a.dtype} q, k, v, beta, {a.g_dtype} g; chunk 64; median of {a.reps} synced calls "
         "(do_bench: fla's triton.testing.do_bench median)")
+  rows = []
+  if switch is None:
+    rows += table(a, shapes, torch)
+  else:
+    module, name, settings = switch
+    for setting in settings:
+      print(f"\n## gdn with gdn.ops.{module.__name__.rsplit('.', 1)[-1]}.{name}={setting}")
+      before = getattr(module, name)
+      setattr(module, name, SWITCH[setting])
+      try:
+        rows += [dict(r, switch=setting) for r in table(a, shapes, torch, switch_arg=f"{a.switch.partition('=')[0]}={setting}")]
+      finally:
+        setattr(module, name, before)
+  if a.profile_json:
+    from gdn.bench.profile import write_profiles
+    write_profiles(a.profile_json, [r["profiles"]["gdn"] for r in rows if "gdn" in r.get("profiles", {})])
+  if a.profile:
+    from gdn.bench.profile import format_times
+    for r in rows:
+      for side, prof in r.get("profiles", {}).items():
+        shape = ", ".join(map(str, r["shape"])) + (f"; {r['switch']}" if "switch" in r else "")
+        print("\n" + format_times(prof, a.profile, title=f"{side}, ({shape}), fwd+bwd: "))
+  return rows
+
+
+SWITCH = {"off": False, "on": True, "auto": None}
+
+
+def parse_switch(p, spec):
+  """(module, name, settings) of --switch MODULE.NAME=a,b (a module of gdn.ops), or None without it."""
+  if spec is None:
+    return None
+  import importlib
+
+  target, _, values = spec.partition("=")
+  module, _, name = target.partition(".")
+  settings = values.split(",")
+  if not module or not name or not values or any(s not in SWITCH for s in settings):
+    p.error(f"--switch takes MODULE.NAME=a,b with settings from {sorted(SWITCH)}, got {spec!r}")
+  try:
+    mod = importlib.import_module(f"gdn.ops.{module}")
+  except ImportError:
+    p.error(f"--switch: no module gdn.ops.{module}")
+  if not hasattr(mod, name):
+    p.error(f"--switch: gdn.ops.{module} has no setting {name}")
+  return mod, name, settings
+
+
+def table(a, shapes, torch, switch_arg=None) -> list:
+  """The table's rows, one per shape (printed as they come), with the switch as the caller set it."""
   print("| B, T, H, D | fla fwd ms | gdn fwd ms | gdn/fla fwd | fla fwd+bwd ms | gdn fwd+bwd ms | gdn/fla fwd+bwd | "
         "rel err o | rel err grads | fla do_bench fwd / fwd+bwd ms |")
   print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -288,17 +347,8 @@ def main(argv=None) -> list:
     print(f"| {name} | {ms('fla_fwd')} | {ms('gdn_fwd')} | {ratio('fwd')} | {ms('fla_fb')} | {ms('gdn_fb')} | "
           f"{ratio('fb')} | {err('rel_err')} | {err('grad_rel_err')} | {bench} |", flush=True)
     if a.profile and not a.profile_json and "gdn_fb" in r:
-      r.setdefault("profiles", {})["gdn"] = gdn_profile_in_child(a, shape)
+      r.setdefault("profiles", {})["gdn"] = gdn_profile_in_child(a, shape, switch_arg)
     rows.append(dict(shape=shape, **r))
-  if a.profile_json:
-    from gdn.bench.profile import write_profiles
-    write_profiles(a.profile_json, [r["profiles"]["gdn"] for r in rows if "gdn" in r.get("profiles", {})])
-  if a.profile:
-    from gdn.bench.profile import format_times
-    for r in rows:
-      for side, prof in r.get("profiles", {}).items():
-        shape = ", ".join(map(str, r["shape"]))
-        print("\n" + format_times(prof, a.profile, title=f"{side}, ({shape}), fwd+bwd: "))
   return rows
 
 

@@ -35,6 +35,27 @@ def test_gdn_half_runs_on_cpu(variant, capsys):
   assert [r["shape"] for r in rows] == [(1, 64, 1, 16)] and "fla_fwd" not in rows[0]
 
 
+def test_switch_prints_a_table_per_setting_and_restores_it(monkeypatch, capsys):
+  """--switch: one table per setting, gdn's side built with the module switch set to it, then restored; a bad
+  spec is refused naming the flag."""
+  from gdn.ops import intra_chunk
+
+  seen, build = [], bench_vs_fla.gdn_side
+  monkeypatch.setattr(bench_vs_fla, "gdn_side",
+                      lambda *a: (seen.append(intra_chunk.SEGSUM_MATMUL), build(*a))[1])
+  before = intra_chunk.SEGSUM_MATMUL
+  rows = bench_vs_fla.main(["--gdn-only", "--variant", "kda", "--shapes", "1,64,1,16", "--reps", "1",
+                            "--switch", "intra_chunk.SEGSUM_MATMUL=on,off"])
+  out = capsys.readouterr().out
+  assert seen == [True, False] and intra_chunk.SEGSUM_MATMUL is before
+  assert [r["switch"] for r in rows] == ["on", "off"]
+  assert out.count("| B, T, H, D |") == 2 and "## gdn with gdn.ops.intra_chunk.SEGSUM_MATMUL=off" in out
+  for bad in ("intra_chunk.SEGSUM_MATMUL=yes", "intra_chunk.NO_SUCH=on", "nomodule.X=on", "SEGSUM_MATMUL"):
+    with pytest.raises(SystemExit):
+      bench_vs_fla.main(["--gdn-only", "--shapes", "1,64,1,16", "--switch", bad])
+    assert "--switch" in capsys.readouterr().err
+
+
 def test_variant_inputs_shapes_and_dtypes():
   shape = (2, 8, 3, 4)
   for variant, g_shape in (("gdn", (2, 8, 3)), ("kda", (2, 8, 3, 4))):

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from gdn.train.compile_cache import cache_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,6 +23,7 @@ def test_cache_dir_names():
   assert cache_dir("/tmp/xla", "runs/x") == "/tmp/xla"
 
 
+@pytest.mark.slow
 def test_second_seed_compiles_nothing(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
   # Fewer optimisations compile faster: the cache's entries, not XLA's fusions, are under test.

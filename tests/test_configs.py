@@ -22,6 +22,9 @@ CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py")
                       if os.path.basename(p) not in ("__init__.py", "base.py"))
 
 
+LM_CONFIGS = ("lm_ablations.py", "lm_hybrids.py")
+
+
 def _specs():
   for path in CONFIG_FILES:
     with open(path) as f:
@@ -34,7 +37,9 @@ def test_config_file_builds(spec):
   config = load(spec)
   cells = expand(config, results="/nonexistent")
   assert cells
-  built = set()
+  # The language-model configs' models are built already by loading them (abstract inits of each block kind, to
+  # match their parameter counts; tests/test_lm_configs.py checks that count against whole models); the rest here.
+  built = set() if os.path.basename(spec.partition(":")[0]) not in LM_CONFIGS else {c.config.model for c in cells}
   for cell in cells:
     cfg = cell.config
     if cfg.model not in built:  # abstract init: checks every shape without allocating

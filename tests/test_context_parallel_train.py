@@ -93,6 +93,7 @@ def test_seq_mesh_and_batch_sharding():
   assert tuple(batch_sharding(mesh, (4, 64)).spec) == (("data", "fsdp"),)  # seq of size 1 splits nothing
 
 
+@pytest.mark.slow
 def test_context_parallel_training_matches_one_device_and_resumes(tmp_path):
   r = run_child(__file__, str(tmp_path))
   rel = lambda got, want: float(np.max(np.abs(np.subtract(got, want)) / np.abs(want)))

@@ -38,6 +38,30 @@ def test_models_have_the_parameters_of_the_reference_within_half_a_rounding_step
       assert abs(counts[name] - target) <= 0.005 * target, name
 
 
+@pytest.mark.parametrize("overrides", [
+    dict(pattern="RRRA"), dict(pattern="RWA", tie_embeddings=False), dict(pattern="MRW", scan_layers=True),
+    dict(pattern="RA", mlp_pattern="DM", moe=dict(num_experts=4, top_k=2, hidden=24, shared_hidden=16))])
+def test_param_count_is_the_whole_models(overrides):
+  """`param_count` (one block per kind) equals the leaves of the whole model's abstract init: tied and untied
+  heads, every layer kind, stacked layers, MoE and dense MLPs."""
+  from flax import nnx
+
+  from gdn.bench.model_flops import _params
+  from gdn.config import ModelConfig
+  from gdn.model import LanguageModel
+
+  from gdn.config import AttentionConfig
+
+  kw = dict(vocab_size=50, d_model=16, num_layers=6, mlp_ratio=2.0,
+            attention=AttentionConfig(num_heads=2, head_dim=8, window=4))
+  kw.update(overrides)
+  if "moe" in kw:
+    from gdn.config import MoEConfig
+    kw["moe"] = MoEConfig(**kw["moe"])
+  cfg = ModelConfig(**kw)
+  assert param_count(cfg) == _params(nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0))))
+
+
 def test_ablations_change_one_switch_each_from_the_baseline():
   _, cfgs = _models(lm_ablations, "small")
   b = cfgs["baseline"].recurrent

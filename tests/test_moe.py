@@ -138,6 +138,7 @@ def test_moe_config_errors():
     MoEConfig(shared_hidden=-1)
 
 
+@pytest.mark.slow
 def test_moe_training_on_one_and_8_devices():
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
              JAX_DISABLE_MOST_OPTIMIZATIONS="1")  # math, not XLA's fusions: fewer optimisations compile faster

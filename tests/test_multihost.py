@@ -90,6 +90,7 @@ def test_one_process_holds_every_row():
     sharding.shard_batch(dict(inputs=batch["inputs"][:2]), mesh, 4)
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_and_restore(tmp_path):
   port = _free_port()
   shared = str(tmp_path / "two")

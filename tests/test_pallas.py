@@ -360,6 +360,7 @@ def _sharded_child():
   print(json.dumps(out))
 
 
+@pytest.mark.slow
 def test_batch_sharded_runs_per_device():
   """With the batch split over an 8-device ("data", "fsdp") mesh, outputs, final state and all gradients equal
   one device's, and the compiled module gathers nothing: each device runs the kernels on its own rows. The same

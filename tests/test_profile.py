@@ -107,6 +107,7 @@ def test_bench_vs_fla_profiles_gdn_in_a_child(capsys, monkeypatch):
   assert any("gated_delta_rule/chunk_local" in s for s in stages), stages
 
 
+@pytest.mark.slow
 def test_bench_model_profiles_the_stages_of_a_training_step(capsys, monkeypatch):
   monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # the child compiles 2-3x faster
   from experiments import bench_model

@@ -221,6 +221,7 @@ def test_stacked_axis_never_sharded():
   assert not is_stacked((DictKey("remainder_blocks"), DictKey(0)))
 
 
+@pytest.mark.slow
 def test_sharded_and_context_parallel_on_8_devices():
   """FSDP (2 x 4) train steps of the scanned model equal one device's unrolled steps; context parallelism over
   4 devices gives the scanned model's logits."""

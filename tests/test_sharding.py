@@ -35,6 +35,7 @@ def test_make_mesh_errors():
     make_mesh(data=3, fsdp=2, devices=[object()] * 8)
 
 
+@pytest.mark.slow
 def test_sharded_training_on_8_devices():
   with tempfile.TemporaryDirectory() as d:
     # Fewer optimisations compile faster (the checks are math, not XLA's fusions); the persistent cache lets the

@@ -78,10 +78,12 @@ def _same_as_alone(tmp_path, cells, *overrides, steps=16, evals=(4, 8, 12, 16)):
     assert grid.done(grid.Cell("m", "s", s, lr, together))
 
 
+@pytest.mark.slow
 def test_stacked_cells_log_what_separate_runs_log(tmp_path):
   _same_as_alone(tmp_path, [(0, 3e-3), (1, 1e-2), (2, 1e-3)])
 
 
+@pytest.mark.slow
 def test_batches_of_different_lengths_are_padded_without_changing_the_losses(tmp_path):
   mixture = ("data.mqar.train_settings=((8,1),(16,2))", "train.stop_step=6", "train.eval_every=0")
   cells = [(0, 3e-3), (1, 1e-2)]

@@ -79,6 +79,7 @@ def runs(tmp_path_factory):
   return dict(full=full, killed=killed, was_running=was_running, killed_at=killed_at, resumed_output=outputs[1])
 
 
+@pytest.mark.slow
 def test_run_learns_writes_its_files_and_resumes_exactly_after_sigkill(runs):
   full = runs["full"]
   losses = _losses(full)
@@ -288,6 +289,7 @@ def test_train_step_matches_a_plain_loop_on_mqar():
   assert ours[-1] < ours[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_chunked_loss_equals_the_whole_logits_loss(scan_layers):
   """train.loss_chunk applies the head a few positions at a time (with padding where T is not a multiple):

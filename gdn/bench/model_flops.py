@@ -6,20 +6,30 @@ recurrent key / value head dims, C chunk size.
 
 from __future__ import annotations
 
+import collections
+
 import jax
 from flax import nnx
 
 from gdn.config import ModelConfig
-from gdn.model import LanguageModel
+from gdn.model import Block
 
 # The H200's dense bfloat16 peak (the H100 / H200 SXM data sheet figure), the denominator of MFU here.
 H200_BF16_TFLOPS = 989.0
 
 
+def _params(module) -> int:
+  return sum(x.size for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
 def param_count(cfg: ModelConfig) -> int:
-  """Parameters of `LanguageModel(cfg)`, from an abstract init (nothing is allocated)."""
-  model = nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))
-  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  """Parameters of `LanguageModel(cfg)`, from abstract inits (nothing is allocated): the embedding, the final norm
+  and an untied head, and one block of each (layer kind, MLP kind), since every such block has the same parameters
+  wherever it stands (tests/test_lm_configs.py checks the sum against the whole model's)."""
+  n = cfg.vocab_size * cfg.d_model + cfg.d_model + (0 if cfg.tie_embeddings else cfg.d_model * cfg.vocab_size)
+  for (kind, mlp_kind), m in collections.Counter(zip(cfg.layer_kinds, cfg.mlp_kinds)).items():
+    n += m * _params(nnx.eval_shape(lambda: Block(cfg, kind, rngs=nnx.Rngs(0), mlp_kind=mlp_kind)))
+  return n
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, *, chunk_size: int = 64) -> dict:

@@ -19,13 +19,15 @@ from gdn.layers.segments import segment_index
 # keeps every shifted slice of the input and the pre-activation as residuals. Off: on an H200 (one layer, 8 x 8192
 # tokens, d_model 2048) XLA:GPU's autodiff program already peaks no higher (9.60 GiB both) and runs 4% faster
 # (docs/benchmarks.md, "What the layer's backward keeps"). Since then its backward writes the pre-activation's
-# cotangent once (an optimization barrier) instead of letting XLA recompute it in each reader: not yet timed
-# (`experiments/bench_conv.py --switch layers.conv.CONV_VJP=off,on`).
+# cotangent once (an optimization barrier) instead of letting XLA recompute it in each reader; timed on the H200
+# since, it is still no faster: the conv's fwd+bwd 1.67 against 1.48 ms at (8, 4096, 6144), the 340M training step
+# 489.5 against 484.3 ms (`experiments/bench_conv.py --switch layers.conv.CONV_VJP=off,on`, docs/benchmarks.md).
 CONV_VJP = False
 # The taps as one depthwise `lax.conv_general_dilated` (feature_group_count = C, no segments: a segment mask per
 # tap and position is not a convolution): XLA:GPU lowers it and its two gradient convolutions to cuDNN kernels,
-# in place of the shifted slices, pads and column reductions of the taps' autodiff. Off until timed
-# (`experiments/bench_conv.py`). Read at trace time; CONV_VJP, where on, takes precedence.
+# in place of the shifted slices, pads and column reductions of the taps' autodiff. Off: on the H200 in bfloat16
+# it is 14x slower than the taps (fwd+bwd 20.98 against 1.48 ms at (8, 4096, 6144); the 340M training step
+# 1006.6 against 484.3 ms; docs/benchmarks.md). Read at trace time; CONV_VJP, where on, takes precedence.
 CONV_LAX = False
 
 

@@ -41,11 +41,27 @@ LOCAL_VJP = False
 # [beta k_dec, beta v] and the inverse T rounded to the inputs' dtype before their matmul (products exact and
 # accumulated in float32, as `mm`), and W and U made as two products with their own VJP (`_apply_lowp`), so the
 # [L, C, K], [L, C, V] and [L, C, C] arrays the backward keeps, the inverse's own VJP residual included, and their
-# cotangents are 16-bit; False, one joint float32 [L, C, K + V] right-hand side and a float32 inverse. float32 and float64 inputs are
-# unaffected. Read at trace time, like LOCAL_VJP. On the H200 True took the Gated DeltaNet layer's bfloat16
-# training step (d_model 2048, 8 x 8192 tokens, pallas) from 30.21 to 29.06 ms and its peak from 9.60 to 8.98 GiB;
-# on CPU it adds up to 25% to the bfloat16 pipeline's errors against the float64 oracle (docs/benchmarks.md).
+# cotangents are 16-bit; False, one joint float32 [L, C, K + V] right-hand side and a float32 inverse. float32 and
+# float64 inputs are unaffected. Read at trace time, like LOCAL_VJP. On the H200 True takes the Gated DeltaNet
+# layer's bfloat16 training step (d_model 2048, 8 x 8192 tokens, pallas) from 29.52 to 27.33 ms and its peak from
+# 8.22 to 7.60 GiB (fla's layer: 27.14 ms, 6.40 GiB); on CPU it adds up to 25% to the bfloat16 pipeline's errors
+# against the float64 oracle (docs/benchmarks.md).
 LOWP_SOLVE = True
+# The span sums of the log-decays in the chunk-local stage: the pairwise seg[t, i] = sum_{i < j <= t} g_j
+# (`_segsum`; per head over the chunk, per key channel over each sub-chunk), gamma_t = sum_{j <= t} g_j and the sums
+# to the chunk's end. True, each one float32 matmul of g with a constant 0/1 tensor (full float32 precision: the
+# same direct sums, summed in another order), so that its VJP is the transposed matmul; False, cumulative sums
+# (the pairwise one over the masked [.., C, C] matrix), which XLA:GPU runs as chains of small slices and windowed
+# sums: the VJP of the pairwise one, windowed sums over the [L, C, C] cotangent, was the chunk-local backward's
+# largest kernel (1.16 of 7.53 ms at (2, 16384, 16, 128) on the H200, docs/benchmarks.md). Read at trace time.
+# Off until timed on a GPU.
+SEGSUM_MATMUL = False
+# The pair products of a per-head decay (`_pair_scalar`: K K^T and Q K^T, float32 [L, C, C] each, times the decay
+# matrix): True, under `jax.checkpoint`, so that the backward recomputes them from q, k and g (two [C, K] x [K, C]
+# products and an exp per chunk) instead of keeping them; False, autodiff keeps the two float32 products (512 MiB
+# of the Gated DeltaNet layer's peak at d_model 2048, 8 x 8192 tokens, docs/benchmarks.md). Read at trace time.
+# Off until timed on a GPU.
+PAIR_REMAT = False
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -89,11 +105,35 @@ def _segsum(g, axis):
   """out[t, i] = sum_{i < j <= t} g_j for i <= t, 0 above the diagonal. g has length L along `axis`;
   the result inserts a new axis after it (t at `axis`, i at `axis + 1`)."""
   L = g.shape[axis]
+  if SEGSUM_MATMUL:
+    return _segsum_matmul(g, axis)
   j = jnp.arange(L)
   keep = (j[:, None] > j[None, :])  # [j, i]
   gj = jnp.expand_dims(g, axis + 1)  # [.., j, 1, ..]
   keep = keep.reshape((L, L) + (1,) * (g.ndim - axis - 1))
   return jnp.cumsum(jnp.where(keep, gj, 0.0), axis=axis)
+
+
+def _segsum_matmul(g, axis):
+  """`_segsum` as one matmul (SEGSUM_MATMUL): out[.., t, i, ..] = sum_j g[.., j, ..] [i < j <= t]."""
+  C = g.shape[axis]
+  t, i, j = (jax.lax.broadcasted_iota(jnp.int32, (C, C, C), d) for d in range(3))
+  dt = jnp.promote_types(g.dtype, jnp.float32)
+  spans = ((i < j) & (j <= t)).astype(dt)  # [t, i, j]
+  rest = "abcdefgh"[:g.ndim - axis - 1]  # the axes after `axis` (a key channel's K for per-channel decay)
+  return jnp.einsum(f"...j{rest},tij->...ti{rest}", g.astype(dt), spans, precision=jax.lax.Precision.HIGHEST,
+                    preferred_element_type=dt)
+
+
+def _span_sums(g, axis, spans):
+  """out[.., t, ..] = sum_j g[.., j, ..] [spans(t, j)] along `axis`, as one full-precision matmul with the 0/1
+  matrix (SEGSUM_MATMUL: gamma and the sums to the chunk's end without a cumulative sum)."""
+  C = g.shape[axis]
+  t, j = (jax.lax.broadcasted_iota(jnp.int32, (C, C), d) for d in range(2))
+  dt = jnp.promote_types(g.dtype, jnp.float32)
+  rest = "abcdefgh"[:g.ndim - axis - 1]
+  return jnp.einsum(f"...j{rest},tj->...t{rest}", g.astype(dt), spans(t, j).astype(dt),
+                    precision=jax.lax.Precision.HIGHEST, preferred_element_type=dt)
 
 
 def _pair_scalar(q, k, g, dot):
@@ -174,10 +214,13 @@ def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str):
     decay = jnp.ones(k.shape[:-2] + (1,), k.dtype)
   else:
     ax = 1  # the C axis of [L, C, ...]
-    gam = _cumsum_incl(g, ax)
-    to_end = _cumsum_rev_excl(g, ax)
+    if SEGSUM_MATMUL:
+      gam, to_end = _span_sums(g, ax, lambda t, j: j <= t), _span_sums(g, ax, lambda t, j: j > t)
+    else:
+      gam, to_end = _cumsum_incl(g, ax), _cumsum_rev_excl(g, ax)
     if g.ndim == 2:
-      A, P = _pair_scalar(q, k, g, dot)
+      pair = functools.partial(_pair_scalar, dot=dot)
+      A, P = (jax.checkpoint(pair) if PAIR_REMAT else pair)(q, k, g)
       gam, to_end, total = gam[..., None], to_end[..., None], gam[..., -1:]
     else:
       A, P = _pair_channel(q, k, g, dot)
