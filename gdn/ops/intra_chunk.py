@@ -167,13 +167,16 @@ def _pair_channel(q, k, g, dot):
   if M == 1:
     return blockdiag(A_d), blockdiag(P_d)
   # Off-diagonal blocks.
-  F = jnp.cumsum(gs, axis=-2)  # [.., M, c, K] local inclusive: sum over (start of n, t]
-  R = _cumsum_rev_excl(gs, gs.ndim - 2)  # sum over (i, end of m]
+  if SEGSUM_MATMUL:
+    F = _span_sums(gs, gs.ndim - 2, lambda t, j: j <= t)
+    R = _span_sums(gs, gs.ndim - 2, lambda t, j: j > t)
+  else:
+    F = jnp.cumsum(gs, axis=-2)  # [.., M, c, K] local inclusive: sum over (start of n, t]
+    R = _cumsum_rev_excl(gs, gs.ndim - 2)  # sum over (i, end of m]
   tot = F[..., -1, :]  # [.., M, K]
   # between[n, m] = sum_{m < l < n} tot_l
   nn = jnp.arange(M)
-  keep = (nn[:, None] > nn[None, :])[..., None]  # [l, m, 1]
-  Y = jnp.cumsum(jnp.where(keep, tot[..., :, None, :], 0.0), axis=-3)  # [.., l->n, m, K] sum_{m<l<=n}
+  Y = _segsum(tot, tot.ndim - 2)  # [.., l->n, m, K] sum_{m<l<=n}, 0 for n <= m
   between = jnp.concatenate([jnp.zeros_like(Y[..., :1, :, :]), Y[..., :-1, :, :]], axis=-3)  # [.., n, m, K]
   later = (nn[:, None] > nn[None, :])  # [n, m]
   X = F[..., :, None, :, :] + between[..., :, :, None, :]  # [.., n, m, t, K]
