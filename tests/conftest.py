@@ -43,3 +43,18 @@ def fast_compile():
   jax.config.update("jax_disable_most_optimizations", True)
   yield
   jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.fixture(autouse=True)
+def _full_optimizations(request):
+  """A test marked `full_optimizations` compiles with XLA's optimisations in a module that uses fast_compile (the
+  op against the oracle under the compiler as users run it)."""
+  if request.node.get_closest_marker("full_optimizations") is None:
+    yield
+    return
+  import jax
+
+  before = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", False)
+  yield
+  jax.config.update("jax_disable_most_optimizations", before)

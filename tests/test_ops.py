@@ -13,6 +13,9 @@ import pytest
 from gdn import ops
 from reference import gated_delta_rule_ref
 
+# Fewer XLA optimisations compile faster (conftest.py); the two oracle tests of every variant and dtype keep them.
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 KINDS = ("none", "head", "channel")
 METHODS = ("recurrent", "chunk", "associative")
 DIFF_ARGS = ("q", "k", "v", "g", "beta", "initial_state")
@@ -113,6 +116,7 @@ def test_jax_oracle_is_the_seed_loop():
       np.testing.assert_allclose(S, S_np, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.full_optimizations
 @pytest.mark.parametrize("g_kind", KINDS)
 @pytest.mark.parametrize("beta_kind", KINDS)
 @pytest.mark.parametrize("method", METHODS)
@@ -145,6 +149,7 @@ def test_shapes_and_chunk_sizes(method, variant, shape):
   assert_close(run(method, x, chunk_size=C), oracle(x), 1e-5, f"{method} {variant} {shape}")
 
 
+@pytest.mark.full_optimizations
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("variant", [("head", "head"), ("channel", "head"), ("none", "none")])
 def test_bfloat16_inputs(method, variant):
