@@ -62,6 +62,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments.bench_ops import SWITCH  # noqa: E402  (the settings of bench_ops' --switch)
 from gdn.bench.op_fns import make_fn, vjp_of  # noqa: E402
 from gdn.bench.op_inputs import PRESETS, inputs  # noqa: E402
 from gdn.bench.timing import timed  # noqa: E402
@@ -295,9 +296,6 @@ def main(argv=None) -> list:
         shape = ", ".join(map(str, r["shape"])) + (f"; {r['switch']}" if "switch" in r else "")
         print("\n" + format_times(prof, a.profile, title=f"{side}, ({shape}), fwd+bwd: "))
   return rows
-
-
-SWITCH = {"off": False, "on": True, "auto": None}
 
 
 def parse_switch(p, spec):

@@ -114,26 +114,25 @@ def _segsum(g, axis):
   return jnp.cumsum(jnp.where(keep, gj, 0.0), axis=axis)
 
 
-def _segsum_matmul(g, axis):
-  """`_segsum` as one matmul (SEGSUM_MATMUL): out[.., t, i, ..] = sum_j g[.., j, ..] [i < j <= t]."""
+def _sums(g, axis, spans, mask_axes):
+  """Sums of g over spans of `axis` as one full-precision matmul with a 0/1 mask (SEGSUM_MATMUL): the mask
+  spans(*iotas) has the axes `mask_axes` (j, the summed one, last); the output puts the others where `axis` was."""
   C = g.shape[axis]
-  t, i, j = (jax.lax.broadcasted_iota(jnp.int32, (C, C, C), d) for d in range(3))
+  iotas = [jax.lax.broadcasted_iota(jnp.int32, (C,) * len(mask_axes), d) for d in range(len(mask_axes))]
   dt = jnp.promote_types(g.dtype, jnp.float32)
-  spans = ((i < j) & (j <= t)).astype(dt)  # [t, i, j]
   rest = "abcdefgh"[:g.ndim - axis - 1]  # the axes after `axis` (a key channel's K for per-channel decay)
-  return jnp.einsum(f"...j{rest},tij->...ti{rest}", g.astype(dt), spans, precision=jax.lax.Precision.HIGHEST,
-                    preferred_element_type=dt)
+  return jnp.einsum(f"...j{rest},{mask_axes}->...{mask_axes[:-1]}{rest}", g.astype(dt), spans(*iotas).astype(dt),
+                    precision=jax.lax.Precision.HIGHEST, preferred_element_type=dt)
+
+
+def _segsum_matmul(g, axis):
+  """`_segsum` as one matmul: out[.., t, i, ..] = sum_j g[.., j, ..] [i < j <= t]."""
+  return _sums(g, axis, lambda t, i, j: (i < j) & (j <= t), "tij")
 
 
 def _span_sums(g, axis, spans):
-  """out[.., t, ..] = sum_j g[.., j, ..] [spans(t, j)] along `axis`, as one full-precision matmul with the 0/1
-  matrix (SEGSUM_MATMUL: gamma and the sums to the chunk's end without a cumulative sum)."""
-  C = g.shape[axis]
-  t, j = (jax.lax.broadcasted_iota(jnp.int32, (C, C), d) for d in range(2))
-  dt = jnp.promote_types(g.dtype, jnp.float32)
-  rest = "abcdefgh"[:g.ndim - axis - 1]
-  return jnp.einsum(f"...j{rest},tj->...t{rest}", g.astype(dt), spans(t, j).astype(dt),
-                    precision=jax.lax.Precision.HIGHEST, preferred_element_type=dt)
+  """out[.., t, ..] = sum_j g[.., j, ..] [spans(t, j)] along `axis` (gamma and the sums to the chunk's end)."""
+  return _sums(g, axis, spans, "tj")
 
 
 def _pair_scalar(q, k, g, dot):
