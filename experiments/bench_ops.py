@@ -28,6 +28,7 @@ from gdn.bench.op_inputs import PRESETS, inputs
 from gdn.bench.op_fns import make_fn, vjp_of
 from gdn.bench.roofline import floor_ms
 from gdn.bench.timing import peak_bytes, timed
+from experiments.cli import SETTINGS, takes
 from gdn.ops import checks, gated_delta_rule, stages
 
 
@@ -116,7 +117,7 @@ def print_breakdown(shapes, dtype, reps):
       prev = r
 
 
-SWITCH = {"off": False, "on": True, "auto": None}
+SWITCH = SETTINGS  # the values of --switch (experiments.cli)
 
 
 def print_switch(shapes, dtype, reps, module, name, settings):
@@ -178,7 +179,7 @@ def main(argv=None):
     target, _, values = spec.partition("=")
     module, _, name = target.partition(".")
     settings = values.split(",")
-    if not module or not name or any(s not in SWITCH for s in settings):
+    if not module or not name or not all(takes(name, s) for s in settings):
       p.error(f"--switch takes MODULE.NAME=a,b with settings from {sorted(SWITCH)}, got {spec!r}")
     return print_switch(shapes, dtype, a.reps, module, name, settings)
   print("| B, T, H, D | method | fwd ms | fwd+bwd ms | fwd mem MiB | fwd+bwd mem MiB |"

@@ -26,10 +26,10 @@ five gradients). The goal of the project's issue: gdn / fla at most 0.5 forward 
   python -m experiments.bench_vs_fla --variant kda
   python -m experiments.bench_vs_fla --variant kda --shapes 1,8192,96,128 4,4096,64,128
   python -m experiments.bench_vs_fla --gdn-only --shapes 1,64,1,16 --reps 1   # CPU smoke: gdn's columns only
-  python -m experiments.bench_vs_fla --variant kda --switch intra_chunk.SEGSUM_MATMUL=off,on
+  python -m experiments.bench_vs_fla --variant kda --switch intra_chunk.SEGSUM_MATMUL=off,fwd
 
 --switch MODULE.NAME=a,b prints the table once per setting of the module switch `gdn.ops.<MODULE>.<NAME>` (read
-by the op at trace time; "off", "on", "auto" for False, True, None), gdn's side traced with it set and the
+by the op at trace time; "off", "on", "auto" for False, True, None, and "fwd" for SEGSUM_MATMUL), gdn's side traced with it set and the
 setting restored after; fla is timed again beside each, so every table's ratios come from one clock.
 
 Without torch, fla or CUDA (or with --gdn-only) fla is skipped, its cells say "-", and gdn runs alone (on CPU in
@@ -63,6 +63,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.bench_ops import SWITCH  # noqa: E402  (the settings of bench_ops' --switch)
+from experiments.cli import takes  # noqa: E402
 from gdn.bench.op_fns import make_fn, vjp_of  # noqa: E402
 from gdn.bench.op_inputs import PRESETS, inputs  # noqa: E402
 from gdn.bench.timing import timed  # noqa: E402
@@ -307,7 +308,7 @@ def parse_switch(p, spec):
   target, _, values = spec.partition("=")
   module, _, name = target.partition(".")
   settings = values.split(",")
-  if not module or not name or not values or any(s not in SWITCH for s in settings):
+  if not module or not name or not values or not all(takes(name, s) for s in settings):
     p.error(f"--switch takes MODULE.NAME=a,b with settings from {sorted(SWITCH)}, got {spec!r}")
   try:
     mod = importlib.import_module(f"gdn.ops.{module}")

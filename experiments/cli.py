@@ -5,7 +5,16 @@ from __future__ import annotations
 import importlib
 import itertools
 
-SETTINGS = {"off": False, "on": True, "auto": None}
+# The values of a module switch on the command line.
+SETTINGS = {"off": False, "on": True, "auto": None, "fwd": "fwd"}
+# Values that only the named switches take: "fwd" is `ops.intra_chunk.SEGSUM_MATMUL`'s (the span sums as matmuls
+# with the cumulative sums' VJP).
+ONLY_FOR = {"fwd": ("SEGSUM_MATMUL",)}
+
+
+def takes(name: str, value: str) -> bool:
+  """Whether the module switch `name` takes the command-line value `value`."""
+  return value in SETTINGS and name in ONLY_FOR.get(value, (name,))
 
 
 def apply_preset(args, preset: dict, list_key: str):
@@ -39,7 +48,7 @@ def setting_label(setting: str) -> str:
 
 def apply_setting(setting: str):
   """Set the module switches of `setting`, 'MODULE.NAME=VALUE' joined by '+' (MODULE under gdn, e.g.
-  layers.conv.CONV_VJP=on; VALUE off, on, auto) in this process; '-' sets nothing. Returns a function that puts
+  layers.conv.CONV_VJP=on; VALUE a key of SETTINGS) in this process; '-' sets nothing. Returns a function that puts
   the previous values back."""
   if setting == "-":
     return lambda: None
@@ -53,9 +62,10 @@ def apply_setting(setting: str):
     path, value = part.split("=")
     module, name = path.rsplit(".", 1)
     mod = importlib.import_module(f"gdn.{module}")
-    if not hasattr(mod, name) or value not in SETTINGS:
+    if not hasattr(mod, name) or not takes(name, value):
       restore()
-      raise SystemExit(f"--switch: gdn.{module} has no setting {name!r}, or {value!r} is not one of off, on, auto")
+      raise SystemExit(f"--switch: gdn.{module} has no setting {name!r}, or {value!r} is not one it takes "
+                       f"({', '.join(v for v in SETTINGS if takes(name, v))})")
     previous.append((mod, name, getattr(mod, name)))
     setattr(mod, name, SETTINGS[value])
   return restore

@@ -50,7 +50,8 @@ def test_switch_prints_a_table_per_setting_and_restores_it(monkeypatch, capsys):
   assert seen == [True, False] and intra_chunk.SEGSUM_MATMUL is before
   assert [r["switch"] for r in rows] == ["on", "off"]
   assert out.count("| B, T, H, D |") == 2 and "## gdn with gdn.ops.intra_chunk.SEGSUM_MATMUL=off" in out
-  for bad in ("intra_chunk.SEGSUM_MATMUL=yes", "intra_chunk.NO_SUCH=on", "nomodule.X=on", "SEGSUM_MATMUL"):
+  for bad in ("intra_chunk.SEGSUM_MATMUL=yes", "intra_chunk.NO_SUCH=on", "nomodule.X=on", "SEGSUM_MATMUL",
+              "intra_chunk.LOWP_SOLVE=fwd"):
     with pytest.raises(SystemExit):
       bench_vs_fla.main(["--gdn-only", "--shapes", "1,64,1,16", "--switch", bad])
     assert "--switch" in capsys.readouterr().err

@@ -27,7 +27,7 @@ def _direct(g):
   return out
 
 
-def test_matmul_is_the_cumulative_sum_and_keeps_precision_under_strong_decay(monkeypatch):
+def test_matmul_is_the_cumulative_sum_and_keeps_precision_under_strong_decay():
   """A strong decay (-30 a step) before weak ones (-1e-3): a difference of two cumulative sums would lose the weak
   spans (their sum is 4 orders of magnitude below the total), the direct sums keep them to float32 rounding."""
   rng = np.random.default_rng(0)
@@ -37,8 +37,8 @@ def test_matmul_is_the_cumulative_sum_and_keeps_precision_under_strong_decay(mon
   want = _direct(g)
   got = {}
   for on in (False, True):
-    monkeypatch.setattr(intra_chunk, "SEGSUM_MATMUL", on)
-    got[on] = np.asarray(jax.jit(lambda g: intra_chunk._segsum(g, 1))(jnp.asarray(g, jnp.float32)), np.float64)
+    seg = jax.jit(lambda g: intra_chunk._segsum(g, 1, mode="matmul" if on else "cumsum"))  # per setting: jit caches by function identity
+    got[on] = np.asarray(seg(jnp.asarray(g, jnp.float32)), np.float64)
     below = np.tril(np.ones((C, C), bool), -1)
     err = np.abs(got[on] - want)[:, below] / np.maximum(np.abs(want[:, below]), 1e-30)
     assert err.max() < 1e-5, (on, err.max())
@@ -56,16 +56,17 @@ def test_op_against_the_oracle(monkeypatch, method, g_kind):
   """float32 (1e-5) and bfloat16 (1e-2) inputs with grouped value heads, packed segments, an initial state and T
   not a multiple of C, per-head and per-key-channel decay (the latter over sub-chunks of 16 in chunks of 32):
   outputs, final state and gradients against the float64 oracle, and float32 against the cumulative-sum path to
-  float32 rounding."""
+  float32 rounding, the matmuls with either VJP ("fwd": the cumulative sums')."""
   C = 32 if g_kind == "channel" else 16
   x = make_inputs(61, 2, 45, 1, 2, 16, 16, g_kind, "head", segments=True)
   want = oracle(x, chunk_size=C)
   got = {}
-  for on in (False, True):
+  for on in (False, True, "fwd"):
     monkeypatch.setattr(intra_chunk, "SEGSUM_MATMUL", on)
     got[on] = test_ops.run(method, x, chunk_size=C, switches=(("SEGSUM_MATMUL", on),))
   assert_close(got[True], want, 1e-5, f"{method} float32")
   assert_close(got[True], got[False], 1e-6, f"{method} float32 on vs off")
+  assert_close(got["fwd"], got[False], 1e-6, f"{method} float32 fwd vs off")
   x_bf, x_ref = bfloat16_inputs(x)
   want = oracle(x_ref, chunk_size=C)
   got = test_ops.run(method, x_bf, chunk_size=C, switches=(("SEGSUM_MATMUL", True),))
@@ -88,11 +89,13 @@ def _cumsums(jaxpr):
 @pytest.mark.parametrize("g_kind, C", [("head", 16), ("channel", 32)])
 def test_the_switch_leaves_no_cumulative_sum(monkeypatch, g_kind, C):
   """With the switch on, neither the op (no segments; per-key-channel decay over two sub-chunks a chunk) nor its
-  VJP takes a cumulative sum; with it off they do (so the check can fail)."""
+  VJP takes a cumulative sum; with it off they do (so the check can fail). The default (None) is on for a per-head
+  decay and off for a per-key-channel one; "fwd" takes none in the forward and the cumulative sums' in the VJP."""
   x = make_inputs(62, 1, 64, 1, 1, 16, 16, g_kind, "head")
   diff, seg, co = test_ops.vjp_inputs(x)
   found = {}
-  for on in (False, True):
+  assert intra_chunk.SEGSUM_MATMUL is None
+  for on in (False, True, None, "fwd"):
     monkeypatch.setattr(intra_chunk, "SEGSUM_MATMUL", on)
 
     def f(diff):  # defined per setting: make_jaxpr caches traces by function identity
@@ -103,8 +106,16 @@ def test_the_switch_leaves_no_cumulative_sum(monkeypatch, g_kind, C):
       return vjp(co[0].astype(o.dtype))
 
     found[on] = _cumsums(jax.make_jaxpr(f)(diff).jaxpr)
+    if on == "fwd":  # the forward alone: no cumulative sum
+      def fwd_only(diff):
+        return test_ops.ops.gated_delta_rule(diff["q"], diff["k"], diff["v"], diff["g"], diff["beta"],
+                                             method="chunk", chunk_size=C)[0]
+      assert _cumsums(jax.make_jaxpr(fwd_only)(diff).jaxpr) == []
   assert found[True] == [], found[True]
   assert found[False], found[False]
+  assert found[None] == (found[True] if g_kind == "head" else found[False]), found[None]
+  # "fwd": the cumulative sums' VJP (traced from their forward, which the backward does not use: XLA drops it)
+  assert sorted(found["fwd"]) == sorted(found[False]), (found["fwd"], found[False])
   if g_kind == "head":
     assert (4, 16) in found[False] and (4, 16, 16) in found[False], found[False]
 

@@ -53,14 +53,19 @@ LOWP_SOLVE = True
 # same direct sums, summed in another order), so that its VJP is the transposed matmul; False, cumulative sums
 # (the pairwise one over the masked [.., C, C] matrix), which XLA:GPU runs as chains of small slices and windowed
 # sums: the VJP of the pairwise one, windowed sums over the [L, C, C] cotangent, was the chunk-local backward's
-# largest kernel (1.16 of 7.53 ms at (2, 16384, 16, 128) on the H200, docs/benchmarks.md). Read at trace time.
-# Off until timed on a GPU.
-SEGSUM_MATMUL = False
+# largest kernel (1.16 of 7.53 ms at (2, 16384, 16, 128) on the H200). None (the default): matmuls for a per-head
+# decay, cumulative sums for a per-key-channel one, as timed on the H200 (bfloat16, pallas, docs/benchmarks.md):
+# per-head, matmuls take forward+backward to 0.85-0.98 of the cumulative sums' time over the five benchmark shapes;
+# per-key-channel (KDA, (4, 2048, 16, 128)), they take the forward to 0.62 but forward+backward to 1.48. "fwd": the
+# matmuls in the forward with the cumulative sums' VJP (the same linear map transposed), for both decays; not yet
+# timed on a GPU. Read at trace time.
+SEGSUM_MATMUL = None
 # The pair products of a per-head decay (`_pair_scalar`: K K^T and Q K^T, float32 [L, C, C] each, times the decay
 # matrix): True, under `jax.checkpoint`, so that the backward recomputes them from q, k and g (two [C, K] x [K, C]
 # products and an exp per chunk) instead of keeping them; False, autodiff keeps the two float32 products (512 MiB
-# of the Gated DeltaNet layer's peak at d_model 2048, 8 x 8192 tokens, docs/benchmarks.md). Read at trace time.
-# Off until timed on a GPU.
+# of the Gated DeltaNet layer's live set at d_model 2048, 8 x 8192 tokens). Read at trace time. Off: on the H200
+# True took that layer's bfloat16 training step from 27.26 to 28.17 ms for a peak 0.12 GiB lower
+# (docs/benchmarks.md).
 PAIR_REMAT = False
 
 
@@ -101,17 +106,64 @@ def _cumsum_rev_excl(g, axis):
   return jnp.flip(jnp.cumsum(jnp.flip(shifted, axis), axis=axis), axis)
 
 
-def _segsum(g, axis):
-  """out[t, i] = sum_{i < j <= t} g_j for i <= t, 0 above the diagonal. g has length L along `axis`;
-  the result inserts a new axis after it (t at `axis`, i at `axis + 1`)."""
+def _sum_mode(per_channel: bool) -> str:
+  """How the span sums of the log-decays are formed (`SEGSUM_MATMUL`): "cumsum", "matmul" (its VJP the transposed
+  matmul) or "fwd" (the matmul, with the cumulative sums' VJP). None: "matmul" for a per-head decay, else "cumsum"."""
+  if SEGSUM_MATMUL is None:
+    return "cumsum" if per_channel else "matmul"
+  if isinstance(SEGSUM_MATMUL, str):
+    if SEGSUM_MATMUL != "fwd":
+      raise ValueError(f"intra_chunk.SEGSUM_MATMUL: expected True, False, None or 'fwd', got {SEGSUM_MATMUL!r}")
+    return "fwd"
+  return "matmul" if SEGSUM_MATMUL else "cumsum"
+
+
+def _by_mode(mode, matmul_fn, cumsum_fn, g):
+  """matmul_fn(g) or cumsum_fn(g) (the same sums) by `_sum_mode`; "fwd": the matmul's value with cumsum_fn's VJP
+  (both linear in g: the cotangent alone gives the gradient, XLA drops the cumulative sums' own forward)."""
+  if mode == "cumsum":
+    return cumsum_fn(g)
+  if mode == "matmul":
+    return matmul_fn(g)
+
+  @jax.custom_vjp
+  def sums(g):
+    return matmul_fn(g)
+
+  def fwd(g):
+    return matmul_fn(g), g
+
+  def bwd(g, ct):  # in the matmul's dtype (float32 at least), as its cotangent
+    return tuple(d.astype(g.dtype) for d in jax.vjp(cumsum_fn, g.astype(ct.dtype))[1](ct))
+
+  sums.defvjp(fwd, bwd)
+  return sums(g)
+
+
+def _segsum_cumsum(g, axis):
+  """`_segsum` as a cumulative sum over the masked [.., L, L] matrix."""
   L = g.shape[axis]
-  if SEGSUM_MATMUL:
-    return _segsum_matmul(g, axis)
   j = jnp.arange(L)
   keep = (j[:, None] > j[None, :])  # [j, i]
   gj = jnp.expand_dims(g, axis + 1)  # [.., j, 1, ..]
   keep = keep.reshape((L, L) + (1,) * (g.ndim - axis - 1))
   return jnp.cumsum(jnp.where(keep, gj, 0.0), axis=axis)
+
+
+def _segsum(g, axis, *, mode: str):
+  """out[t, i] = sum_{i < j <= t} g_j for i <= t, 0 above the diagonal. g has length L along `axis`;
+  the result inserts a new axis after it (t at `axis`, i at `axis + 1`). mode: from `_sum_mode`."""
+  return _by_mode(mode, lambda g: _segsum_matmul(g, axis), lambda g: _segsum_cumsum(g, axis), g)
+
+
+def _incl_sums(g, axis, *, mode: str):
+  """gamma_t = sum_{j <= t} g_j along `axis`, by `mode`."""
+  return _by_mode(mode, lambda g: _span_sums(g, axis, lambda t, j: j <= t), lambda g: _cumsum_incl(g, axis), g)
+
+
+def _rev_excl_sums(g, axis, *, mode: str):
+  """sum_{j > t} g_j along `axis` (to the chunk's or sub-chunk's end), by `mode`."""
+  return _by_mode(mode, lambda g: _span_sums(g, axis, lambda t, j: j > t), lambda g: _cumsum_rev_excl(g, axis), g)
 
 
 def _sums(g, axis, spans, mask_axes):
@@ -139,7 +191,7 @@ def _pair_scalar(q, k, g, dot):
   """A (unmasked) and P for one decay per head. q,k [.., C, K]; g [.., C]."""
   C = g.shape[-1]
   incl = jnp.tril(jnp.ones((C, C), bool))
-  D = jnp.exp(jnp.where(incl, _segsum(g, g.ndim - 1), -jnp.inf))
+  D = jnp.exp(jnp.where(incl, _segsum(g, g.ndim - 1, mode=_sum_mode(False)), -jnp.inf))
   return dot("...tk,...ik->...ti", k, k) * D, dot("...tk,...ik->...ti", q, k) * D
 
 
@@ -151,6 +203,7 @@ def _pair_channel(q, k, g, dot):
   both exponents <= 0.
   """
   C, K = k.shape[-2:]
+  mode = _sum_mode(True)
   c = SUB_CHUNK if C % SUB_CHUNK == 0 else C
   M = C // c
   lead = k.shape[:-2]
@@ -158,7 +211,7 @@ def _pair_channel(q, k, g, dot):
   qs, ks, gs = sub(q), sub(k), sub(g)
   # Diagonal blocks: D[n, t, i, :] = sum_{i < j <= t} g_j inside sub-chunk n.
   incl = jnp.tril(jnp.ones((c, c), bool))[:, :, None]
-  Dd = jnp.exp(jnp.where(incl, _segsum(gs, gs.ndim - 2), -jnp.inf))  # [.., M, c, c, K]
+  Dd = jnp.exp(jnp.where(incl, _segsum(gs, gs.ndim - 2, mode=mode), -jnp.inf))  # [.., M, c, c, K]
   A_d = dot("...ntk,...nik,...ntik->...nti", ks, ks, Dd)
   P_d = dot("...ntk,...nik,...ntik->...nti", qs, ks, Dd)
   eye = jnp.eye(M, dtype=k.dtype)
@@ -166,16 +219,12 @@ def _pair_channel(q, k, g, dot):
   if M == 1:
     return blockdiag(A_d), blockdiag(P_d)
   # Off-diagonal blocks.
-  if SEGSUM_MATMUL:
-    F = _span_sums(gs, gs.ndim - 2, lambda t, j: j <= t)
-    R = _span_sums(gs, gs.ndim - 2, lambda t, j: j > t)
-  else:
-    F = jnp.cumsum(gs, axis=-2)  # [.., M, c, K] local inclusive: sum over (start of n, t]
-    R = _cumsum_rev_excl(gs, gs.ndim - 2)  # sum over (i, end of m]
+  F = _incl_sums(gs, gs.ndim - 2, mode=mode)  # [.., M, c, K] local inclusive: sum over (start of n, t]
+  R = _rev_excl_sums(gs, gs.ndim - 2, mode=mode)  # sum over (i, end of m]
   tot = F[..., -1, :]  # [.., M, K]
   # between[n, m] = sum_{m < l < n} tot_l
   nn = jnp.arange(M)
-  Y = _segsum(tot, tot.ndim - 2)  # [.., l->n, m, K] sum_{m<l<=n}, 0 for n <= m
+  Y = _segsum(tot, tot.ndim - 2, mode=mode)  # [.., l->n, m, K] sum_{m<l<=n}, 0 for n <= m
   between = jnp.concatenate([jnp.zeros_like(Y[..., :1, :, :]), Y[..., :-1, :, :]], axis=-3)  # [.., n, m, K]
   later = (nn[:, None] > nn[None, :])  # [n, m]
   X = F[..., :, None, :, :] + between[..., :, :, None, :]  # [.., n, m, t, K]
@@ -216,10 +265,8 @@ def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str):
     decay = jnp.ones(k.shape[:-2] + (1,), k.dtype)
   else:
     ax = 1  # the C axis of [L, C, ...]
-    if SEGSUM_MATMUL:
-      gam, to_end = _span_sums(g, ax, lambda t, j: j <= t), _span_sums(g, ax, lambda t, j: j > t)
-    else:
-      gam, to_end = _cumsum_incl(g, ax), _cumsum_rev_excl(g, ax)
+    mode = _sum_mode(g.ndim == 3)
+    gam, to_end = _incl_sums(g, ax, mode=mode), _rev_excl_sums(g, ax, mode=mode)
     if g.ndim == 2:
       pair = functools.partial(_pair_scalar, dot=dot)
       A, P = (jax.checkpoint(pair) if PAIR_REMAT else pair)(q, k, g)
@@ -360,7 +407,7 @@ def _local_bwd(prec, res, ct):
   gam = _cumsum_incl(g, 1)
   e_gam = jnp.exp(gam)[..., None]
   e_end = jnp.exp(_cumsum_rev_excl(g, 1))[..., None]
-  D = jnp.exp(jnp.where(incl, _segsum(g, 1), -jnp.inf))
+  D = jnp.exp(jnp.where(incl, _segsum(g, 1, mode=_sum_mode(False)), -jnp.inf))
   A = keep(same, jnp.where(strict, dot("...tk,...ik->...ti", k, k) * D, 0.0))
   P = keep(same, dot("...tk,...ik->...ti", q, k) * D)
   e_kd = keep(row(carries), e_gam)  # k_dec = k e_kd
