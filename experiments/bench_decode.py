@@ -13,8 +13,9 @@ compute dtype inside the step, one matmul per projection); "lean" calls it on `g
 (weights stored in the compute dtype, the projections of one input fused into one matmul); "lean_unrolled" on
 `for_decoding(model, unroll=True)`, the same unrolled where the model is scanned; "lean_xla" and "lean_kernel" are
 "lean" with `gdn.ops.pallas_decode.DECODE_KERNEL` forced off and on (a recurrent layer's decode step after its
-fused projection as XLA's fusions, or as one Pallas kernel; "lean" takes the switch's default, off until the
-kernel has been timed on a GPU). All give the same logits.
+fused projection as XLA's fusions, or as one Pallas kernel; "lean" takes the switch's default: the kernel from
+batch `pallas_decode.MIN_BATCH`); "lean_split" is "lean_kernel" with `pallas_decode.SPLIT_V` on (the kernel's grid
+over blocks of value channels, the output norm after it in XLA). All give the same logits.
 `--scan-layers` builds the models with `scan_layers` (one layer body in a `lax.scan`).
 
 The floor (`gdn.bench.roofline.decode_floor_ms`): every weight read once per step (the lean model's parameter
@@ -37,7 +38,7 @@ follows the cache's capacity.
   python -m experiments.bench_decode --preset h200 --patterns R --paths plain,lean --batches 1,8,64 \
       --contexts 1024,65536
   python -m experiments.bench_decode --preset h200 --layers 24 --contexts 1024,131072
-  python -m experiments.bench_decode --preset h200 --patterns R --paths lean_xla,lean_kernel --batches 1,8,64 \
+  python -m experiments.bench_decode --preset h200 --patterns R --paths lean_xla,lean_kernel,lean_split --batches 1,8,64 \
       --contexts 1024
 """
 
@@ -72,8 +73,10 @@ PRESETS = {
                  contexts=[1024, 4096, 16384, 65536, 131072, 262144, 524288], steps=32, reps=5),
 }
 PATTERNS = ("R", "A", "RRRA")
-PATHS = ("plain", "lean", "lean_unrolled", "lean_xla", "lean_kernel")
-DECODE_KERNEL = dict(lean_xla=False, lean_kernel=True)  # the paths that force `pallas_decode.DECODE_KERNEL`
+PATHS = ("plain", "lean", "lean_unrolled", "lean_xla", "lean_kernel", "lean_split")
+# The paths that force `pallas_decode.DECODE_KERNEL` and `pallas_decode.SPLIT_V` (the kernel's grid over value blocks).
+DECODE_KERNEL = dict(lean_xla=False, lean_kernel=True, lean_split=True)
+SPLIT_V = dict(lean_kernel=False, lean_split=True)
 BLOCK = 1024  # the K/V fill tiles a random block of this many slots
 
 
@@ -136,13 +139,14 @@ def state_bytes(cache: tuple, context: int) -> int:
 
 @contextlib.contextmanager
 def decode_kernel(path: str):
-  """`pallas_decode.DECODE_KERNEL` as the path asks while its programs are traced, restored after."""
-  before = pallas_decode.DECODE_KERNEL
-  pallas_decode.DECODE_KERNEL = DECODE_KERNEL.get(path, before)
+  """`pallas_decode.DECODE_KERNEL` and `SPLIT_V` as the path asks while its programs are traced, restored after."""
+  before = pallas_decode.DECODE_KERNEL, pallas_decode.SPLIT_V
+  pallas_decode.DECODE_KERNEL = DECODE_KERNEL.get(path, before[0])
+  pallas_decode.SPLIT_V = SPLIT_V.get(path, before[1])
   try:
     yield
   finally:
-    pallas_decode.DECODE_KERNEL = before
+    pallas_decode.DECODE_KERNEL, pallas_decode.SPLIT_V = before
 
 
 def bench(model, context: int, batch: int, a, programs: dict) -> dict:
@@ -230,7 +234,7 @@ def main(argv=None):
     lean = for_decoding(base)
     # The floor reads each weight once in the compute dtype: the lean model's bytes, whichever path is timed.
     a.weight_bytes = weights[pattern] = nbytes(nnx.state(lean, nnx.Param))
-    models = dict(plain=base, lean=lean, lean_xla=lean, lean_kernel=lean)
+    models = dict(plain=base, lean=lean, lean_xla=lean, lean_kernel=lean, lean_split=lean)
     if "lean_unrolled" in paths:
       models["lean_unrolled"] = for_decoding(base, unroll=True) if cfg.scan_layers else lean
     for path in paths:

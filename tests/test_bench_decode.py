@@ -31,16 +31,16 @@ def test_bench_decode_table(capsys):
 
 
 def test_bench_decode_kernel_paths(capsys):
-  """"lean_xla" and "lean_kernel" time the lean model with the fused decode kernel forced off and on (here in
-  Pallas' interpreter), and leave the switch as it was."""
+  """"lean_xla", "lean_kernel" and "lean_split" time the lean model with the fused decode kernel forced off, on,
+  and on over value blocks (here in Pallas' interpreter), and leave the switches as they were."""
   from gdn.ops import pallas_decode
 
-  before = pallas_decode.DECODE_KERNEL
-  main(TINY[:-1] + ["8", "--patterns", "R", "--paths", "lean_xla,lean_kernel", "--batches", "1"])
+  before = pallas_decode.DECODE_KERNEL, pallas_decode.SPLIT_V
+  main(TINY[:-1] + ["8", "--patterns", "R", "--paths", "lean_xla,lean_kernel,lean_split", "--batches", "1"])
   lines = capsys.readouterr().out.splitlines()
   rows = [line for line in lines if line.startswith("| R | lean_")]
-  assert [r.split(" | ")[1] for r in rows[:2]] == ["lean_xla", "lean_kernel"]
-  assert pallas_decode.DECODE_KERNEL is before
+  assert [r.split(" | ")[1] for r in rows[:3]] == ["lean_xla", "lean_kernel", "lean_split"]
+  assert (pallas_decode.DECODE_KERNEL, pallas_decode.SPLIT_V) == before
 
 
 def test_ops_per_iteration_counts_nested_loops_by_trip_count():

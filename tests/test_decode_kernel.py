@@ -68,11 +68,16 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_kernel_equals_the_xla_step(monkeypatch, case, dtype, tol):
+def test_kernel_equals_the_xla_step(monkeypatch, case, dtype, tol, split):
+  """The kernel per value head (a loop over blocks of 8 value channels) and over value blocks (`SPLIT_V`, blocks
+  of 8, the norm after it in XLA) against the mixer's XLA step."""
   monkeypatch.setattr(pallas_decode, "DECODE_KERNEL", True)
   monkeypatch.setattr(pallas_decode, "BLOCK_V", 8)
+  monkeypatch.setattr(pallas_decode, "SPLIT_V", split)
+  monkeypatch.setattr(pallas_decode, "SPLIT_BLOCK_V", 8)
   m, x, cache = _mixer(0, jnp.dtype(dtype), **CASES[case])
   if m.cfg.qkv_bias:  # nonzero biases, so that a misplaced one shows
     m.in_proj.bias.set_value(0.1 * jax.random.normal(jax.random.key(9), m.in_proj.bias.shape, m.in_proj.bias.dtype))
@@ -185,23 +190,26 @@ def _gdn_args(B, H, HV, K, V, W, dtype, seed=0):
   return args, lay
 
 
-def test_kernel_lowers_to_triton():
+@pytest.mark.parametrize("split", [False, True])
+def test_kernel_lowers_to_triton(split):
   """The compiled path lowers for CUDA (Triton IR from the kernel body: no primitive the Triton lowering lacks),
-  with the state aliased in place."""
+  with the state aliased in place; per value head and over value blocks."""
   args, lay = _gdn_args(1, 16, 16, 128, 128, 4, jnp.bfloat16)
-  f = jax.jit(lambda *a: pallas_decode.fused_step(*a, layout=lay, interpret=False))
+  f = jax.jit(lambda *a: pallas_decode.fused_step(*a, layout=lay, interpret=False, split=split))
   hlo = cuda_hlo(f, *args)
   assert hlo.count("__gpu$xla.gpu.triton") == 1
   assert "output_tuple_indices = [1], operand_index = 5" in hlo
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
 @pytest.mark.parametrize("num_v_heads", [16, 32])
-def test_compiled_on_gpu(monkeypatch, dtype, tol, num_v_heads):
+def test_compiled_on_gpu(monkeypatch, dtype, tol, num_v_heads, split):
   """The compiled kernel in a fused mixer at D = 2048, 16 heads x 128 (and GVA to 32 value heads), B = 8,
-  against the mixer's XLA step."""
+  against the mixer's XLA step; per value head and over value blocks."""
   monkeypatch.setattr(pallas_decode, "DECODE_KERNEL", True)
+  monkeypatch.setattr(pallas_decode, "SPLIT_V", split)
   m, x, cache = _mixer(0, jnp.dtype(dtype), D=2048, num_heads=16, head_dim=128, num_v_heads=num_v_heads,
                        allow_neg_eigval=True)
   x = jnp.tile(x, (4, 1, 1))

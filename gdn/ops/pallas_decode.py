@@ -60,6 +60,14 @@ BLOCK_V = 64  # value channels per step of a program's loop: a [128, 64] float32
 BLOCK_V_WIDE = 32
 NUM_WARPS = 4
 NUM_STAGES = 1
+# The kernel's grid: False, one program per (batch row, value head) looping over V (above); True, one program per
+# (batch row, value head, block of SPLIT_BLOCK_V value channels), each with its [K, BV] slice of the state, and the
+# output RMSNorm over V and the gate in XLA after the kernel (a norm over V would need every block). At batch 1 the
+# per-head grid is 16 programs for the H200's 132 SMs (16 heads; the kernel was 6% slower than XLA's step there,
+# docs/benchmarks.md); the split grid makes it V / BV times as many. Read when the step is traced. Off until timed
+# on a GPU (`python -m experiments.bench_decode --paths lean_xla,lean_kernel,lean_split`).
+SPLIT_V = False
+SPLIT_BLOCK_V = 16
 
 
 def enabled(batch: int) -> bool:
@@ -101,7 +109,7 @@ def supports(layout: Layout, W: int, block_v: Optional[int] = None) -> bool:
   return _pow2(layout.K) and _pow2(layout.V) and _pow2(bv) and layout.V % bv == 0 and W >= 2
 
 
-def _kernel(y_ref, win_ref, w_ref, *refs, lay: Layout, W: int, block_v: int, has_bias: bool):
+def _kernel(y_ref, win_ref, w_ref, *refs, lay: Layout, W: int, block_v: int, has_bias: bool, split: bool):
   if has_bias:
     cb_ref, *refs = refs
   alog_ref, dtb_ref, s_ref, nw_ref, o_ref, s_out_ref, win_out_ref = refs
@@ -136,15 +144,20 @@ def _kernel(y_ref, win_ref, w_ref, *refs, lay: Layout, W: int, block_v: int, has
   if lay.allow_neg_eigval:
     beta = 2.0 * beta
   decay = jnp.exp(g)[:, None]  # [1, 1]
-  outs = []
-  for j in range(V // block_v):
-    vs = pl.ds(j * block_v, block_v)
-    v = conv(2 * H * K + h * V + j * block_v, block_v)
+
+  def block(v_off, vs):
+    """The state update of value channels [v_off, v_off + BV) (at vs of the state refs) and o there, rounded."""
+    v = conv(2 * H * K + h * V + v_off, block_v)
     S = s_ref[:, vs] * decay  # [K, BV]
     u = beta * (v - jnp.sum(S * k[:, None], axis=0))
     S = S + k[:, None] * u[None, :]
     s_out_ref[:, vs] = S
-    outs.append(rnd(jnp.sum(S * q[:, None], axis=0)))  # o in v's dtype, as the step returns it
+    return rnd(jnp.sum(S * q[:, None], axis=0))  # o in v's dtype, as the step returns it
+
+  if split:  # this program's block of V; the norm and gate follow in XLA (`_norm_gate`)
+    o_ref[...] = block(pl.program_id(2) * block_v, pl.ds(0, block_v)).astype(o_ref.dtype)
+    return
+  outs = [block(j * block_v, pl.ds(j * block_v, block_v)) for j in range(V // block_v)]
   r = jax.lax.rsqrt(sum(jnp.sum(o * o) for o in outs) / V + lay.eps)
   for j, o in enumerate(outs):
     vs = pl.ds(j * block_v, block_v)
@@ -152,15 +165,28 @@ def _kernel(y_ref, win_ref, w_ref, *refs, lay: Layout, W: int, block_v: int, has
     o_ref[vs] = (rnd(o * r * nw_ref[vs].astype(f32)) * jax.nn.silu(gate)).astype(o_ref.dtype)
 
 
+def _norm_gate(o, y, norm_w, lay: Layout):
+  """The split kernel's tail in XLA: RMSNorm over each head's V channels of o [B, HV, V] (rounded to the compute
+  dtype, as the kernel leaves it), its weight, then the SiLU gate from y, with the per-head kernel's roundings."""
+  f32, dt = jnp.float32, y.dtype
+  B = y.shape[0]
+  of = o.astype(f32)
+  r = jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + lay.eps)
+  gate = jax.lax.dynamic_slice_in_dim(y, lay.gate, lay.HV * lay.V, axis=1).reshape(B, lay.HV, lay.V).astype(f32)
+  normed = (of * r * norm_w.astype(f32)).astype(dt).astype(f32)
+  return (normed * jax.nn.silu(gate)).astype(dt)
+
+
 def fused_step(y, window, conv_w, conv_b, A_log, dt_bias, state, norm_w, *, layout: Layout,
-               interpret: Optional[bool] = None, block_v: Optional[int] = None):
+               interpret: Optional[bool] = None, block_v: Optional[int] = None, split: Optional[bool] = None):
   """One token of a Gated DeltaNet layer after its fused input projection (see the module docstring).
 
   y [B, N] the fused projection's row (compute dtype); window [B, W-1, C] the conv's last inputs; conv_w [W, C],
   conv_b None or [C] the conv's weight and bias; A_log, dt_bias [HV]; state [B, HV, K, V] float32; norm_w [V]
   the output norm's weight. Returns (out [B, HV, V] in y's dtype, new state float32, new window in y's dtype,
   as the XLA conv's). Call only where `supports(layout, W)`; interpret: Pallas' interpreter, None: where the
-  default backend is not a GPU; block_v: None for `default_block_v` (read at the call)."""
+  default backend is not a GPU; block_v: None for `default_block_v`, or SPLIT_BLOCK_V where split; split: the
+  grid over value blocks with the norm and gate in XLA after it, None for `SPLIT_V` (both read at the call)."""
   lay = layout
   B, N = y.shape
   W = conv_w.shape[0]
@@ -171,21 +197,30 @@ def fused_step(y, window, conv_w, conv_b, A_log, dt_bias, state, norm_w, *, layo
   if not supports(lay, W, block_v):
     raise ValueError(f"fused_step does not take {lay} with W={W}, block_v={block_v}: check `supports` first")
   interpret = default_interpret() if interpret is None else interpret
-  bv = min(block_v or default_block_v(lay.K), lay.V)
+  split = SPLIT_V if split is None else split
+  bv = min(block_v or (SPLIT_BLOCK_V if split else default_block_v(lay.K)), lay.V)
+  if split and not supports(lay, W, bv):
+    raise ValueError(f"fused_step(split=True) does not take {lay} with W={W}, value blocks of {bv}")
   has_bias = conv_b is not None
-  whole = lambda *s: pl.BlockSpec(s, lambda b, h: (0,) * len(s))
-  row = lambda *s: pl.BlockSpec((None,) + s, lambda b, h: (b,) + (0,) * len(s))
-  head = lambda *s: pl.BlockSpec((None, None) + s, lambda b, h: (b, h) + (0,) * len(s))
+  grid = (B, lay.HV) + ((lay.V // bv,) if split else ())
+  whole = lambda *s: pl.BlockSpec(s, lambda b, h, *j: (0,) * len(s))
+  row = lambda *s: pl.BlockSpec((None,) + s, lambda b, h, *j: (b,) + (0,) * len(s))
+  head = lambda *s: pl.BlockSpec((None, None) + s, lambda b, h, *j: (b, h) + (0,) * len(s))
+  # The head's value channels: all of them, or (split) this program's block of them, the last axis.
+  vblock = lambda *s: pl.BlockSpec((None, None) + s[:-1] + (bv,), lambda b, h, j: (b, h) + (0,) * (len(s) - 1) + (j,))
+  per_v = vblock if split else head
   in_specs = [row(N), row(W - 1, C), whole(W, C)] + ([whole(C)] if has_bias else [])
-  in_specs += [whole(lay.HV), whole(lay.HV), head(lay.K, lay.V), whole(lay.V)]
+  in_specs += [whole(lay.HV), whole(lay.HV), per_v(lay.K, lay.V), whole(lay.V)]
   args = [y, window, conv_w] + ([conv_b] if has_bias else []) + [A_log, dt_bias, state.astype(jnp.float32), norm_w]
-  kernel = functools.partial(_kernel, lay=lay, W=W, block_v=bv, has_bias=has_bias)
+  kernel = functools.partial(_kernel, lay=lay, W=W, block_v=bv, has_bias=has_bias, split=split)
   out, S, win = pl.pallas_call(
-      kernel, grid=(B, lay.HV), in_specs=in_specs,
-      out_specs=[head(lay.V), head(lay.K, lay.V), row(W - 1, C)],
+      kernel, grid=grid, in_specs=in_specs,
+      out_specs=[per_v(lay.V), per_v(lay.K, lay.V), row(W - 1, C)],
       out_shape=[jax.ShapeDtypeStruct((B, lay.HV, lay.V), y.dtype),
                  jax.ShapeDtypeStruct(state.shape, jnp.float32),
                  jax.ShapeDtypeStruct(window.shape, y.dtype)],
       input_output_aliases={len(args) - 2: 1}, interpret=interpret, name="gdn_decode_step",
       compiler_params=pl_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES))(*args)
+  if split:
+    out = _norm_gate(out, y, norm_w, lay)
   return out, S, win
