@@ -1,11 +1,14 @@
 """Run a sweep and report it: `gdn-compare --config configs/mqar.py:small`.
 
 Cells are models x settings x seeds x learning rates from the config's `sweep` section; results go to
-results/<config.name>/ (runs/, table.md, results.csv, best.csv, PNG plots). Finished cells are skipped and
-interrupted ones resume, so the command can simply be run again. `--shard i/n` runs every n-th (model, setting)
+results/<config.name>/ (runs/, records/, table.md, results.csv, best.csv, PNG plots). Finished cells are skipped and
+interrupted ones resume, so the command can simply be run again. The report keeps a record of each finished run
+(records/<cell>/: its summary, config and thinned metrics), which is committed with the report where the runs are
+not: a report written elsewhere still has every cell, and a cell with a finished record is not trained again;
+`--import-csv` makes records from an older report's results.csv. `--shard i/n` runs every n-th (model, setting)
 group of cells from the i-th (one machine or process each; a group's seeds and learning rates share compiled
 programs, so they stay on one shard); `--stack` trains each group's cells as one program (gdn/train/stacked.py;
-`--stack-size K`: at most K cells each); `--report` only writes the report from the runs present.
+`--stack-size K`: at most K cells each); `--report` only writes the report from the runs and records present.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import os
 import shlex
 import sys
 
-from gdn.sweep import expand, run_cells, write_report
+from gdn.sweep import expand, records, run_cells, write_report
 from gdn.train import ConfigError, compile_cache
 from gdn.train.checkpoint import ConfigMismatch, NoUsableCheckpoint
 from gdn.train.config_file import apply_overrides, load, split_argv
@@ -39,6 +42,9 @@ def main(argv=None) -> int:
                         help="i/n: run every n-th (model, setting) group of cells, starting at the i-th")
     parser.add_argument("--report", action="store_true", help="only write the report from finished runs")
     parser.add_argument("--list", action="store_true", help="list the cells and exit")
+    parser.add_argument("--import-csv", action="store_true",
+                        help="write records (results/<name>/records/) for the rows of the sweep's results.csv whose "
+                             "cells have none (a report from before records were kept), then exit")
     parser.add_argument("--stack", action="store_true",
                         help="train each (model, setting) group's seeds and learning rates as one program")
     parser.add_argument("--stack-size", type=int, default=0,
@@ -62,6 +68,12 @@ def main(argv=None) -> int:
     for c in cells:
       print(c.id)
     return 0
+  if args.import_csv:
+    if not os.path.exists(os.path.join(out_dir, "results.csv")):
+      print(f"error: --import-csv: no {out_dir}/results.csv", file=sys.stderr)
+      return 2
+    print(f"{len(records.import_csv(out_dir))} records written to {out_dir}/records/")
+    return 0
   if not args.report:
     if cells:
       compile_cache.enable(cells[0].config.compilation_cache, cells[0].config.run_dir)
@@ -79,6 +91,7 @@ def main(argv=None) -> int:
     print("\n" + f.read())
   print(f"results   {out_dir}/  (table.md, results.csv, best.csv)")
   print("plots     " + ", ".join(p for k, p in paths.items() if k.endswith(".png")))
+  print(f"records   {out_dir}/records/<cell>/  (what the report reads of each run: commit them with it)")
   print(f"runs      {out_dir}/runs/<cell>/  (config.json, metrics.jsonl, tb/, checkpoints/"
         + (f"; with --stack the checkpoints are each group's, in {out_dir}/runs/.stacked/)" if args.stack else ")"))
   return 0

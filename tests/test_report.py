@@ -121,3 +121,94 @@ def test_state_tracking_report_plots_the_metric_against_the_eval_length(tmp_path
   # one rate by the median (3e-3: 0.95 against 0.75 for 1e-3): best seed 1.0, median 0.95 ± 0.05
   assert "| deltanet_beta02 | 1.000; 0.950 ± 0.050 (lr 3e-03, 3 seeds) |" in table
   assert os.path.getsize(paths["scaled_accuracy_vs_length.png"]) > 1000
+
+
+def test_records_keep_the_report_after_the_runs_are_gone_and_finish_their_cells(tmp_path, monkeypatch):
+  """The report writes each finished run's record (results/<name>/records/<cell id>: summary, config, the metrics
+  with the training records thinned); with the run directories deleted, the same report comes back from the
+  records alone, and a sweep continued there trains only the cells without one."""
+  import shutil
+
+  from gdn.sweep import grid, records
+
+  monkeypatch.setattr(records, "MAX_TRAIN_POINTS", 10)
+  config = apply_overrides(load(os.path.join(ROOT, "configs", "hybrid.py") + ":small"),
+                           ("sweep.learning_rates=(1e-3,3e-3)",))
+  cells = expand(config, results=str(tmp_path))
+  unfinished = cells[-1]
+  for i, cell in enumerate(cells[:-1]):
+    _fake_run(cell, {100 * s: 1.5 - 0.01 * s - 0.1 * i for s in range(1, 51)}, stopped_early=True)
+  paths = write_report(cells, str(tmp_path), title="t")
+  first = {name: open(paths[name]).read() for name in ("table.md", "results.csv", "best.csv")}
+  rec = records.record_dir(cells[0].config.run_dir)
+  assert rec == os.path.join(str(tmp_path), "records", cells[0].id)
+  assert sorted(os.listdir(rec)) == ["metrics.jsonl", "summary.json"]  # the fake runs wrote no config.json
+  kept = [json.loads(line) for line in open(os.path.join(rec, "metrics.jsonl"))]
+  assert sum("train/loss" in r for r in kept) == 10 and sum("eval/val/bits_per_byte" in r for r in kept) == 50
+  assert kept[-2]["step"] == 5000  # the last training record is kept
+  assert f",{rec}," in first["results.csv"]  # rows point at the records, which are committed
+
+  shutil.rmtree(os.path.join(str(tmp_path), "runs"))
+  paths = write_report(cells, str(tmp_path), title="t")
+  assert {name: open(paths[name]).read() for name in first} == first
+  trained = []
+  monkeypatch.setattr(grid, "train", lambda cfg, log: trained.append(cfg.name))
+  grid.run_cells(cells, log=lambda *_: None)
+  assert trained == [unfinished.id]
+
+
+def test_records_imported_from_an_earlier_results_csv(tmp_path, monkeypatch):
+  """`records.import_csv`: a report whose runs and records are gone comes back from its results.csv with the same
+  final numbers, schedule and rates picked, says which runs have no history, and their cells count as finished."""
+  import shutil
+
+  from gdn.sweep import grid, records
+
+  config = apply_overrides(load(os.path.join(ROOT, "configs", "mqar.py") + ":small"),
+                           ("sweep.learning_rates=(1e-3,3e-3)", "train.early_stop=0.75", "train.stop_step=300"))
+  cells = [c for c in expand(config, results=str(tmp_path)) if c.model == "deltanet"]
+  for cell in cells:
+    _fake_run(cell, {150: 0.3, 300: 0.6 - 0.1 * cell.seed + (cell.lr == 3e-3) * 0.2}, metric="accuracy",
+              split="T64_P4")
+    with open(os.path.join(cell.config.run_dir, "config.json"), "w") as f:
+      json.dump({"train": {"steps": cell.config.train.steps, "stop_step": 300}}, f)
+  table = open(write_report(cells, str(tmp_path), title="t")["table.md"]).read()
+  for d in ("runs", "records"):
+    shutil.rmtree(os.path.join(str(tmp_path), d))
+  assert len(records.import_csv(str(tmp_path))) == len(cells)
+  assert records.import_csv(str(tmp_path)) == []  # once
+  again = open(write_report(cells, str(tmp_path), title="t")["table.md"]).read()
+  assert f"{len(cells)} of them have no metrics history" in again
+  lines = table.splitlines()
+  cut = next(i for i, line in enumerate(lines) if "at each evaluation" in line)
+  assert "at each evaluation" not in again
+  assert cut > 10
+  for line in lines[3:cut]:  # every final number, rate, budget and split (the header's run count changed)
+    assert line in again.splitlines(), line
+  assert "| budget |" in again and f"300 of {cells[0].config.train.steps}" in again
+  trained = []
+  monkeypatch.setattr(grid, "train", lambda cfg, log: trained.append(cfg.name))
+  grid.run_cells(cells, log=lambda *_: None)
+  assert trained == []
+
+
+def test_compare_import_csv(tmp_path, monkeypatch, capsys):
+  """`gdn-compare --import-csv` writes the records of the sweep's results.csv and exits; without one it says so."""
+  import shutil
+
+  from experiments import compare
+
+  monkeypatch.chdir(tmp_path)
+  spec = os.path.join(ROOT, "configs", "hybrid.py") + ":small"
+  cells = expand(load(spec))
+  for cell in cells[:2]:
+    _fake_run(cell, {100: 1.2, 200: 1.1})
+  out_dir = os.path.join("results", load(spec).name)
+  write_report(cells, out_dir)
+  for d in ("runs", "records"):
+    shutil.rmtree(os.path.join(out_dir, d))
+  assert compare.main(["--config", spec, "--import-csv"]) == 0
+  assert "2 records written to" in capsys.readouterr().out
+  assert sorted(os.listdir(os.path.join(out_dir, "records"))) == sorted(c.id for c in cells[:2])
+  assert compare.main(["--config", spec, "--config.name=other", "--import-csv"]) == 2
+  assert "no results/other/results.csv" in capsys.readouterr().err

@@ -10,6 +10,7 @@ import os
 
 import ml_collections
 
+from gdn.sweep.records import finished_record
 from gdn.train.config import ExperimentConfig, from_dict
 from gdn.train.config_file import apply_overrides
 from gdn.train.loop import NonFiniteLoss, train
@@ -57,7 +58,8 @@ def expand(config: ml_collections.ConfigDict, results: str = "") -> list:
 
 
 def done(cell: Cell) -> bool:
-  return finished(cell.config)
+  """Whether the cell has finished: its run, or its committed record (`gdn.sweep.records`)."""
+  return finished(cell.config) or finished_record(cell.config)
 
 
 def shard_cells(cells, shard: int = 0, num_shards: int = 1) -> list:

@@ -13,7 +13,7 @@ import re
 import numpy as np
 
 from gdn.data import make_task
-from gdn.sweep import published
+from gdn.sweep import published, records
 from gdn.train.config import to_dict
 from gdn.train.metrics import read_jsonl
 
@@ -30,18 +30,25 @@ def _natural(name: str) -> list:
 
 
 def collect(cells) -> list:
-  """One row per finished cell: its ids, learning rate, config value of x_key, and final eval metrics."""
+  """One row per finished cell: its ids, learning rate, config value of x_key, and final eval metrics. A cell
+  with a summary in its run directory gets its record written (`gdn.sweep.records`); one without is read from
+  its record where it has one. run_dir is the record's directory, which every row then has."""
   rows = []
   for cell in cells:
-    path = os.path.join(cell.config.run_dir, "summary.json")
+    src = cell.config.run_dir
+    if os.path.exists(os.path.join(src, "summary.json")):
+      src = records.save(src)
+    else:
+      src = records.record_dir(src)
+    path = os.path.join(src, "summary.json")
     if not os.path.exists(path):
       continue
     with open(path) as f:
       summary = json.load(f)
     x_key = cell.config.sweep.x_key
     rows.append(dict(model=cell.model, setting=cell.setting, seed=cell.seed, lr=cell.lr,
-                     x=_get(to_dict(cell.config), x_key) if x_key else None, run_dir=cell.config.run_dir,
-                     params=summary["params"], steps=summary["steps"], **_budget(cell),
+                     x=_get(to_dict(cell.config), x_key) if x_key else None, run_dir=src,
+                     params=summary["params"], steps=summary["steps"], **_budget(cell, src),
                      stopped_early=bool(summary.get("stopped_early")), corpus=_corpus(summary),
                      **{f"eval/{k}": v for k, v in summary["eval"].items()}))
   return rows
@@ -53,11 +60,11 @@ def _corpus(summary) -> str:
   return c.get("train", {}).get("sha256", "")[:12]
 
 
-def _budget(cell) -> dict:
-  """The run's schedule length and the step it was to stop at, from the config it ran with (a sweep may be run
-  in pieces with different `train.stop_step` cuts than the config the report is written from)."""
+def _budget(cell, src: str) -> dict:
+  """The run's schedule length and the step it was to stop at, from the config it ran with (in `src`, its record;
+  a sweep may be run in pieces with different `train.stop_step` cuts than the config the report is written from)."""
   train = to_dict(cell.config)["train"]
-  path = os.path.join(cell.config.run_dir, "config.json")
+  path = os.path.join(src, "config.json")
   if os.path.exists(path):
     with open(path) as f:
       train = json.load(f).get("train", train)
@@ -148,7 +155,7 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
   metric, mode = sweep.metric, sweep.mode
   rows = collect(cells)
   if not rows:
-    raise FileNotFoundError(f"no finished runs under {out_dir}/runs")
+    raise FileNotFoundError(f"no finished runs under {out_dir}/runs or {out_dir}/records")
   best = best_per_seed(rows, metric, mode)
   summary = summarize(best, metric)
   chance = chance_level(cells, metric)
@@ -157,6 +164,7 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
   splits = sorted({k.split("/")[1] for r in rows for k in r if k.count("/") == 2 and k.startswith("eval/")
                    and k.endswith("/" + metric)}, key=_natural)
 
+  no_history = [r for r in rows if not os.path.exists(os.path.join(r["run_dir"], "metrics.jsonl"))]
   paths = {}
   keys = list(dict.fromkeys(k for r in rows for k in r))
   for name, rs in (("results.csv", rows), ("best.csv", best)):
@@ -171,6 +179,9 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
            f"seed at its best learning rate from {sorted({c.lr for c in cells})}; the rates picked below."
            + ("" if chance is None else f" Chance: {chance:.4g}.")
            + f" Runs finished: {len(rows)} of {len(cells)}."
+           + (f" {len(no_history)} of them have no metrics history (records of an earlier results.csv, "
+              "`gdn.sweep.records.import_csv`): their curves and per-evaluation values are missing."
+              if no_history else "")
            + "".join(f" Corpus (train.bin SHA-256): {c}." for c in sorted({r["corpus"] for r in rows} - {""})), ""]
 
   def best_rates(m, s):
@@ -306,7 +317,8 @@ def _plots(best, models, settings, splits, metric, x_key, out_dir, chance=None, 
       if log:
         ax.set_yscale("log")
       ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7)
+    if axes[0][-1].get_legend_handles_labels()[0]:  # none where no run has that history (imported records)
+      axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     paths[name] = os.path.join(out_dir, name)
     fig.savefig(paths[name], dpi=120)
@@ -315,8 +327,8 @@ def _plots(best, models, settings, splits, metric, x_key, out_dir, chance=None, 
   def losses(ax, s):
     for m in models:
       rs = [r for r in best if r["model"] == m and r["setting"] == s]
-      records = [x for x in read_jsonl(os.path.join(rs[0]["run_dir"], "metrics.jsonl")) if "train/loss" in x] \
-          if rs else []
+      path = os.path.join(rs[0]["run_dir"], "metrics.jsonl") if rs else ""
+      records = [x for x in read_jsonl(path) if "train/loss" in x] if os.path.exists(path) else []
       if records:
         ax.plot([x["step"] for x in records], [x["train/loss"] for x in records], label=m, lw=1)
 

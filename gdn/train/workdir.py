@@ -137,14 +137,16 @@ def has_checkpoints(directory: str) -> bool:
   return os.path.isdir(directory) and any(d.isdigit() for d in os.listdir(directory))
 
 
-def finished(cfg) -> bool:
-  """Whether the run of `cfg` has ended: its summary.json is at train.last_step or says it stopped early."""
-  path = os.path.join(cfg.run_dir, "summary.json")
+def finished(cfg, run_dir: str = "") -> bool:
+  """Whether the run of `cfg` has ended: its summary.json (in `run_dir`, default cfg.run_dir) is at or past
+  train.last_step (a run of the whole schedule is finished for a sweep cut shorter by train.stop_step) or says it
+  stopped early."""
+  path = os.path.join(run_dir or cfg.run_dir, "summary.json")
   if not os.path.exists(path):
     return False
   with open(path) as f:
     summary = json.load(f)
-  return summary.get("steps") == cfg.train.last_step or bool(summary.get("stopped_early"))
+  return summary.get("steps", -1) >= cfg.train.last_step or bool(summary.get("stopped_early"))
 
 
 def next_previous(workdir: str) -> str:

@@ -1,0 +1,85 @@
+"""A finished cell's record: what a sweep's report reads of its run, kept under results/<name>/records/<cell id>/
+beside the report, so that it can be committed with it (the run directories, with their checkpoints and event
+files, are not). A report written on another machine, or after the runs were deleted, still has every cell, and
+a sweep continued there trains only the cells that have neither a finished run nor a finished record.
+
+A record holds the run's summary.json and config.json as they are, and its metrics.jsonl with every evaluation
+and at most MAX_TRAIN_POINTS of the training records (evenly spaced, the last one kept).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from gdn.train.metrics import read_jsonl
+from gdn.train.workdir import finished
+
+MAX_TRAIN_POINTS = 200
+COPIED = ("summary.json", "config.json")
+
+
+def record_dir(run_dir: str) -> str:
+  """results/<name>/records/<cell id> for the run directory results/<name>/runs/<cell id>."""
+  run_dir = os.path.normpath(run_dir)
+  return os.path.join(os.path.dirname(os.path.dirname(run_dir)), "records", os.path.basename(run_dir))
+
+
+def save(run_dir: str) -> str:
+  """Writes (or rewrites) the record of the run in `run_dir`; returns its directory."""
+  dest = record_dir(run_dir)
+  os.makedirs(dest, exist_ok=True)
+  for name in COPIED:
+    if os.path.exists(os.path.join(run_dir, name)):
+      shutil.copyfile(os.path.join(run_dir, name), os.path.join(dest, name))
+  path = os.path.join(run_dir, "metrics.jsonl")
+  records = read_jsonl(path) if os.path.exists(path) else []
+  train = [i for i, r in enumerate(records) if not any(k.startswith("eval/") for k in r)]
+  # Evenly spaced from the first, and the last: at most MAX_TRAIN_POINTS in all.
+  every = max(1, -(-(len(train) - 1) // max(MAX_TRAIN_POINTS - 1, 1)))
+  keep = set(train[::every]) | set(train[-1:])
+  with open(os.path.join(dest, "metrics.jsonl"), "w") as f:
+    for i, r in enumerate(records):
+      if i in keep or any(k.startswith("eval/") for k in r):
+        f.write(json.dumps(r) + "\n")
+  return dest
+
+
+def finished_record(cfg) -> bool:
+  """Whether the cell of `cfg` has a record of a finished run (the rule of `gdn.train.workdir.finished`)."""
+  return finished(cfg, record_dir(cfg.run_dir))
+
+
+def import_csv(out_dir: str) -> list:
+  """Records for the rows of an earlier report's `out_dir`/results.csv whose cells have none, from the row alone:
+  its summary (steps, parameters, whether it stopped early, the corpus digest, every final eval value; marked
+  "source": "results.csv") and the schedule it ran (its config.json's train steps and stop step), with no metrics
+  history. For sweeps reported before records existed, whose run directories are gone (`gdn-compare --import-csv`):
+  a report written later keeps their final numbers, not their curves. Returns the record directories written."""
+  import csv
+
+  written = []
+  with open(os.path.join(out_dir, "results.csv"), newline="") as f:
+    rows = list(csv.DictReader(f))
+  for row in rows:
+    cell_id = f"{row['model']}__{row['setting']}__seed{int(row['seed'])}__lr{float(row['lr']):g}"
+    dest = os.path.join(out_dir, "records", cell_id)
+    if os.path.exists(os.path.join(dest, "summary.json")):
+      continue
+    steps = int(float(row["steps"]))
+    summary = dict(steps=steps, params=int(float(row["params"])), stopped_early=row.get("stopped_early") == "True",
+                   eval={k[len("eval/"):]: float(v) for k, v in row.items() if k.startswith("eval/") and v != ""},
+                   source="results.csv")
+    if row.get("corpus"):
+      summary["corpus"] = {"train": {"sha256": row["corpus"]}}
+    schedule = int(float(row.get("schedule_steps") or steps))
+    budget = int(float(row.get("budget") or schedule))
+    os.makedirs(dest, exist_ok=True)
+    with open(os.path.join(dest, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+    with open(os.path.join(dest, "config.json"), "w") as f:
+      json.dump({"train": {"steps": schedule, "stop_step": budget if budget != schedule else None}}, f, indent=1)
+    written.append(dest)
+  return written
+
