@@ -151,6 +151,11 @@ def test_records_keep_the_report_after_the_runs_are_gone_and_finish_their_cells(
   shutil.rmtree(os.path.join(str(tmp_path), "runs"))
   paths = write_report(cells, str(tmp_path), title="t")
   assert {name: open(paths[name]).read() for name in first} == first
+  # An unfinished run of a cell whose record is finished (run elsewhere) leaves the record as it was.
+  _fake_run(cells[0], {100: 9.0})
+  paths = write_report(cells, str(tmp_path), title="t")
+  assert {name: open(paths[name]).read() for name in first} == first
+  shutil.rmtree(cells[0].config.run_dir)
   trained = []
   monkeypatch.setattr(grid, "train", lambda cfg, log: trained.append(cfg.name))
   grid.run_cells(cells, log=lambda *_: None)

@@ -16,6 +16,7 @@ from gdn.data import make_task
 from gdn.sweep import published, records
 from gdn.train.config import to_dict
 from gdn.train.metrics import read_jsonl
+from gdn.train.workdir import finished
 
 
 def _get(d: dict, dotted: str):
@@ -31,12 +32,14 @@ def _natural(name: str) -> list:
 
 def collect(cells) -> list:
   """One row per finished cell: its ids, learning rate, config value of x_key, and final eval metrics. A cell
-  with a summary in its run directory gets its record written (`gdn.sweep.records`); one without is read from
-  its record where it has one. run_dir is the record's directory, which every row then has."""
+  with a summary in its run directory gets its record written (`gdn.sweep.records`), unless the run has not
+  finished and the record is of one that has (from another machine: never overwritten by less); a cell without
+  is read from its record where it has one. run_dir is the record's directory, which every row then has."""
   rows = []
   for cell in cells:
     src = cell.config.run_dir
-    if os.path.exists(os.path.join(src, "summary.json")):
+    if os.path.exists(os.path.join(src, "summary.json")) and (
+        finished(cell.config) or not records.finished_record(cell.config)):
       src = records.save(src)
     else:
       src = records.record_dir(src)
