@@ -122,7 +122,7 @@ def main(argv=None) -> list:
   a = parse_args(argv)
   layers = {kind: build(kind, a) for kind in ("gdn", "attention")}
   fns = {kind: fwd_bwd(graphdef) for kind, (graphdef, _, _) in layers.items()}
-  att_impl = nnx.merge(*layers["attention"])._implementation(jnp.dtype(a.dtype), False) or "xla"
+  att_impl = nnx.merge(*layers["attention"]).implementation(jnp.dtype(a.dtype), False) or "xla"
 
   dev = jax.devices()[0]
   kv = a.kv_heads or a.heads

@@ -289,7 +289,7 @@ def test_cudnn_attention_matches_xla_in_bfloat16(window):
   auto = Attention(AttentionConfig(**kw), 128, window=window, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   xla = Attention(AttentionConfig(implementation="xla", **kw), 128, window=window, dtype=jnp.bfloat16,
                   rngs=nnx.Rngs(0))
-  assert auto._implementation(jnp.bfloat16, False) == "cudnn"
+  assert auto.implementation(jnp.bfloat16, False) == "cudnn"
   x = jax.random.normal(jax.random.key(0), (2, 100, 128), jnp.bfloat16)
   loss = lambda layer, x: jnp.sum(layer(x)[0].astype(jnp.float32) ** 2)
   (ya, ga), (yx, gx) = (nnx.jit(lambda l, x: (l(x)[0], jax.grad(loss, argnums=1)(l, x)))(m, x) for m in (auto, xla))

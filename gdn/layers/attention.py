@@ -98,7 +98,9 @@ class Attention(nnx.Module):
     return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), jnp.full((L,), -1, jnp.int32),
                    jnp.zeros((), jnp.int32))
 
-  def _implementation(self, dtype, has_mask: bool):
+  def implementation(self, dtype, has_mask: bool):
+    """The `implementation` that `jax.nn.dot_product_attention` gets for inputs of `dtype` (with or without a
+    dense mask): "cudnn" where cuDNN takes them under "auto", None for XLA's."""
     impl = self.cfg.implementation
     if impl != "auto":
       return None if impl == "xla" else impl
@@ -149,7 +151,7 @@ class Attention(nnx.Module):
       if segment_ids is not None:
         seg = segment_index(segment_ids)
         mask = (seg[:, :, None] == seg[:, None, :])[:, None]
-      impl = self._implementation(q.dtype, mask is not None)
+      impl = self.implementation(q.dtype, mask is not None)
       if impl == "cudnn":
         q, k, v = shard_alike_for_cudnn(q, k, v)
       o = jax.nn.dot_product_attention(
@@ -182,7 +184,7 @@ class Attention(nnx.Module):
       seg = segment_index(gather(segment_ids))  # [B, S]
       seg_q = jax.lax.dynamic_slice_in_dim(seg, positions[0], T, axis=1)  # [B, T]
       ok = ok & (seg_q[:, :, None] == seg[:, None, :])[:, None]
-    return jax.nn.dot_product_attention(q, kk, vv, mask=ok, implementation=self._implementation(q.dtype, True))
+    return jax.nn.dot_product_attention(q, kk, vv, mask=ok, implementation=self.implementation(q.dtype, True))
 
   def _attend_cached(self, q, k, v, positions, cache: KVCache):
     """Attend over [cached keys, new keys] (before writing, so a ring slot about to be overwritten still counts)
