@@ -35,7 +35,8 @@ LOCAL_GROUPS = 1
 # The chunk-local stage's VJP for a per-head decay and a per-head beta (Gated DeltaNet, blocked solver): True, the
 # hand-derived `_local_bwd` (batched matmuls from the inputs and the saved inverse); False, JAX's autodiff of
 # `local`. Read at trace time (`local` reads it, so every caller differentiating `local` follows it: "chunk",
-# "pallas" through `pallas_local`'s reference VJP, `grouped`). Off until timed on a GPU.
+# "pallas" through `pallas_local`'s reference VJP, `grouped`). Off: on one H200 it made the op's bfloat16 training
+# step 6-13% slower than autodiff with the inverse's own VJP (docs/benchmarks.md, switch_local_vjp.txt).
 LOCAL_VJP = False
 # The W/U solve's operands with 16-bit q, k, v (blocked solver, per-head beta): True, the right-hand sides
 # [beta k_dec, beta v] and the inverse T rounded to the inputs' dtype before their matmul (products exact and

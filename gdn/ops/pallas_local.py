@@ -77,7 +77,8 @@ NUM_STAGES = 1
 # kernel. Read at the call (trace time), as FUSED_LOCAL is. Its blocks and warps: it holds three to five [Cp, Cp]
 # float32 matrices at once; offline for sm_90 (Triton 3.9, bfloat16, C = 64, K = V = 128) it takes 255 registers
 # a thread in every setting tried, with 236 bytes of spill stores at blocks of 32 and 8 warps, 552 at 64 and 8
-# warps, 828 at 32 and 4 warps, 1104 at 64 and 4 warps. Not yet timed on the card.
+# warps, 828 at 32 and 4 warps, 1104 at 64 and 4 warps. Off: on one H200 the stage's forward and backward with it
+# took 1.45-1.66x XLA's at the first four benchmark shapes (local_bwd_kernel.txt; docs/benchmarks.md).
 BACKWARD_KERNEL = False
 BWD_BLOCK_K = 32
 BWD_BLOCK_V = 32
@@ -89,18 +90,20 @@ BWD_NUM_WARPS = 8
 # SPLIT_BLOCK_K keys with SPLIT_NUM_WARPS, dq, dk and the rest of dg and dbeta as dots of those with q, k and dW.
 # Read at the call. Offline for sm_90 (Triton 3.9, bfloat16, C = 64, K = V = 128) neither spills: 247 and 194
 # registers a thread at these settings (the first also none at blocks of 16 or 64 and 8 warps, or 32 and 4 warps;
-# the second spills 740 bytes at 64 keys and 4 warps, 8 at 128 keys and 8 warps). Off until timed on the card.
+# the second spills 740 bytes at 64 keys and 4 warps, 8 at 128 keys and 8 warps). Off: on one H200 the two
+# kernels took 0.64-0.90x XLA's VJP at the two small benchmark shapes but 1.31-1.39x at the three large ones
+# (local_bwd_split.txt; docs/benchmarks.md).
 BACKWARD_SPLIT = False
 SPLIT_BLOCK_K = 64
 SPLIT_NUM_WARPS = 8
 # Per-key-channel decay (KDA, g [L, C, K]) through `_channel_kernel`: False (today) sends it to
 # `intra_chunk.local`, True to the kernel, in forward-only calls (a differentiated call runs XLA's stage and its
-# VJP, as for a per-head decay; the backward kernel takes a per-head decay only). Read at the call. Off until timed
-# on a GPU (`experiments/bench_local.py --decay channel`). CHANNEL_BLOCK_K, its key channels per step (which also
+# VJP, as for a per-head decay; the backward kernel takes a per-head decay only). Read at the call. Off: on one
+# H200 the kernel took 1.55x XLA's stage forward at (4, 2048, 16, 128) (`experiments/bench_local.py --decay
+# channel`; docs/benchmarks.md). CHANNEL_BLOCK_K, its key channels per step (which also
 # size the [SUB, SUB, CHANNEL_BLOCK_K] float32 arrays of its diagonal blocks), and CHANNEL_NUM_WARPS: offline for
 # sm_90 (Triton 3.9, ptxas 13.4, bfloat16, C = 64, K = V = 128) 255 registers a thread and no spill at 16 keys
-# and 8 warps; 76 bytes of spill stores at 32 and 8 (float32 callers spill: 1644 bytes at 16 and 8). Not yet
-# timed on the card.
+# and 8 warps; 76 bytes of spill stores at 32 and 8 (float32 callers spill: 1644 bytes at 16 and 8).
 FUSED_LOCAL_CHANNEL = False
 CHANNEL_BLOCK_K = 16
 CHANNEL_NUM_WARPS = 8
