@@ -7,9 +7,16 @@ mesh over the first n devices, for n = 1, 2, 4, ..., all.
   # every GPU of the host; add --fsdp n to split parameters and optimizer state over all n devices
   python experiments/bench_scaling.py --d-model 1024 --layers 8 --seq-len 4096 --per-device-batch 8 \
       --dtype bfloat16
+  # context parallelism: each 32K-token sequence split over 2 GPUs, against one GPU holding it whole
+  python experiments/bench_scaling.py --devices 1,2 --seq 2 --d-model 1024 --layers 24 --pattern R --vocab 32000 \
+      --seq-len 32768 --per-device-batch 1 --dtype bfloat16 --method pallas --override model.remat=dots \
+      --override model.scan_layers=True
 
 Every n gets the same per-device batch, so the global batch grows with n (weak scaling) and perfect scaling
-keeps tokens/s per device constant. The batches are random tokens from a numpy generator seeded the same way
+keeps tokens/s per device constant. With --seq k, every device count that k divides splits the time axis of each
+sequence over k devices (a ("data", "fsdp", "seq") mesh: `config.train.mesh_seq`, context parallelism), so k
+devices share each row of the per-device batch and the global batch is n / k of them; a count k does not divide
+(1, the reference) holds whole sequences. The batches are random tokens from a numpy generator seeded the same way
 for every n (a throughput benchmark needs no task: the token values do not change the work); the targets are
 the inputs shifted by one. The model is the configs' own (configs/base.py: `mixer()` and `width()` applied to
 the base config), so a benchmarked model is one that `gdn-train` can run. One process: several hosts are not
@@ -44,6 +51,8 @@ def parse_args(argv=None):
                  help="run on this many forced host CPU devices (0: use the default backend's devices)")
   p.add_argument("--devices", default="", help="comma-separated device counts (default 1, 2, 4, ..., all)")
   p.add_argument("--fsdp", default="1", help="devices on the fsdp axis: 1 (pure data parallel), n (all), or k")
+  p.add_argument("--seq", type=int, default=1,
+                 help="devices on the seq axis (context parallelism) for the device counts it divides")
   p.add_argument("--mixer", default="gated_deltanet",
                  help="attention or a recurrent preset of gdn.config.PRESETS (gated_deltanet, kda, ...)")
   p.add_argument("--pattern", default="RRRA", help="layer pattern (R recurrent, A attention, W sliding window)")
@@ -64,6 +73,8 @@ def parse_args(argv=None):
   p.add_argument("--steps", type=int, default=5, help="timed steps")
   p.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
+  if args.seq < 1:
+    p.error(f"--seq must be at least 1, got {args.seq}")
   if args.warmup < 1 or args.steps < 1:
     p.error("--warmup and --steps must be at least 1 (the first warm-up step gives the loss that is checked)")
   return args
@@ -102,6 +113,11 @@ def fsdp_size(spec: str, n: int) -> int:
   if n % k:
     sys.exit(f"--fsdp {spec}: {k} does not divide the device count {n}")
   return k
+
+
+def seq_size(k: int, n: int, fsdp: int) -> int:
+  """Devices on the seq axis at n devices: k where k fsdp divides n, else 1 (whole sequences)."""
+  return k if n % (k * fsdp) == 0 else 1
 
 
 def main(argv=None) -> list:
@@ -145,16 +161,18 @@ def main(argv=None) -> list:
   m = cfg.model
   print(f"# {jax.default_backend()} x{len(devices)} ({devices[0].device_kind}); {args.mixer} {m.pattern} "
         f"d_model={m.d_model} layers={m.num_layers} heads={m.recurrent.num_heads} "
-        f"vocab={m.vocab_size} {m.dtype} method={m.recurrent.method}; {b} x {T} tokens per device; "
+        f"vocab={m.vocab_size} {m.dtype} method={m.recurrent.method}; {b} x {T} tokens per device"
+        + (f" (each row's {T} split over the seq axis where it has {args.seq} devices)" if args.seq > 1 else "") + "; "
         f"{args.warmup} warm-up steps, median of {args.steps}")
-  print("| devices | mesh (data x fsdp) | global batch | step ms | tokens/s | tokens/s/device | efficiency "
+  print("| devices | mesh (data x fsdp x seq) | global batch | step ms | tokens/s | tokens/s/device | efficiency "
         "| loss rel diff | peak MiB/dev | compiled MiB/dev |")
   print("|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   rows, used, base = [], set(), None
   for n in device_counts(args.devices, len(devices)):
     fsdp = fsdp_size(args.fsdp, n)
-    mesh = sharding.make_mesh(data=n // fsdp, fsdp=fsdp, devices=devices[:n])
-    B = n * b
+    seq = seq_size(args.seq, n, fsdp)
+    mesh = sharding.make_mesh(data=n // (fsdp * seq), fsdp=fsdp, devices=devices[:n], seq=seq)
+    B = n // seq * b
     host_batch = batch_of(B)
     # Made directly in its shards: no device ever holds the whole state unless the mesh says so.
     state = jax.jit(init_state, out_shardings=sharding.tree_shardings(abstract, mesh))()
@@ -185,7 +203,7 @@ def main(argv=None) -> list:
     ms = statistics.median(times) * 1e3
     tok_s = B * T / (ms / 1e3)
     base = base or tok_s / n
-    row = dict(devices=n, mesh=f"{n // fsdp}x{fsdp}", global_batch=B, step_ms=ms, tokens_per_s=tok_s,
+    row = dict(devices=n, mesh=f"{n // (fsdp * seq)}x{fsdp}x{seq}", global_batch=B, step_ms=ms, tokens_per_s=tok_s,
                tokens_per_s_per_device=tok_s / n, efficiency=tok_s / n / base, loss=first_loss,
                loss_rel_diff=abs(first_loss - ref) / abs(ref), peak_mib=peak, compiled_mib=est)
     rows.append(row)
