@@ -82,4 +82,3 @@ def import_csv(out_dir: str) -> list:
       json.dump({"train": {"steps": schedule, "stop_step": budget if budget != schedule else None}}, f, indent=1)
     written.append(dest)
   return written
-
