@@ -38,8 +38,8 @@ follows the cache's capacity.
   python -m experiments.bench_decode --preset h200 --patterns R --paths plain,lean --batches 1,8,64 \
       --contexts 1024,65536
   python -m experiments.bench_decode --preset h200 --layers 24 --contexts 1024,131072
-  python -m experiments.bench_decode --preset h200 --patterns R --paths lean_xla,lean_kernel,lean_split --batches 1,8,64 \
-      --contexts 1024
+  python -m experiments.bench_decode --preset h200 --patterns R --paths lean_xla,lean_kernel,lean_split \
+      --batches 1,8,64 --contexts 1024
 """
 
 from __future__ import annotations

@@ -24,11 +24,11 @@ import importlib
 import jax
 import jax.numpy as jnp
 
+from experiments.cli import SETTINGS, takes
 from gdn.bench.op_inputs import PRESETS, inputs
 from gdn.bench.op_fns import make_fn, vjp_of
 from gdn.bench.roofline import floor_ms
 from gdn.bench.timing import peak_bytes, timed
-from experiments.cli import SETTINGS, takes
 from gdn.ops import checks, gated_delta_rule, stages
 
 
@@ -117,9 +117,6 @@ def print_breakdown(shapes, dtype, reps):
       prev = r
 
 
-SWITCH = SETTINGS  # the values of --switch (experiments.cli)
-
-
 def print_switch(shapes, dtype, reps, module, name, settings):
   """method='pallas' with the module switch `gdn.ops.<module>.<name>` at each setting (off, on, auto) side by
   side, one process: median ms forward and forward+backward, XLA's forward memory estimate, and each setting's
@@ -138,7 +135,7 @@ def print_switch(shapes, dtype, reps, module, name, settings):
     rows = {}
     for s in settings:
       try:
-        rows[s] = bench(shape, "pallas", dtype, reps, f=pallas_with({(mod, name): SWITCH[s]}))
+        rows[s] = bench(shape, "pallas", dtype, reps, f=pallas_with({(mod, name): SETTINGS[s]}))
       except Exception as e:  # report and go on: one failing setting must not hide the others
         print(f"  {shape} {name} {s}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     cell = lambda s, key, scale=1: f"{rows[s][key] / scale:.2f}" if s in rows else "failed"
@@ -180,7 +177,8 @@ def main(argv=None):
     module, _, name = target.partition(".")
     settings = values.split(",")
     if not module or not name or not all(takes(name, s) for s in settings):
-      p.error(f"--switch takes MODULE.NAME=a,b with settings from {sorted(SWITCH)}, got {spec!r}")
+      p.error(f"--switch takes MODULE.NAME=a,b with settings from "
+              f"{sorted(v for v in SETTINGS if takes(name, v))}, got {spec!r}")
     return print_switch(shapes, dtype, a.reps, module, name, settings)
   print("| B, T, H, D | method | fwd ms | fwd+bwd ms | fwd mem MiB | fwd+bwd mem MiB |"
         + (" fwd % of H200 floor | fwd+bwd % of H200 floor |" if on_gpu else ""))

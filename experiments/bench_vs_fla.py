@@ -29,8 +29,8 @@ five gradients). The goal of the project's issue: gdn / fla at most 0.5 forward 
   python -m experiments.bench_vs_fla --variant kda --switch intra_chunk.SEGSUM_MATMUL=off,fwd
 
 --switch MODULE.NAME=a,b prints the table once per setting of the module switch `gdn.ops.<MODULE>.<NAME>` (read
-by the op at trace time; "off", "on", "auto" for False, True, None, and "fwd" for SEGSUM_MATMUL), gdn's side traced with it set and the
-setting restored after; fla is timed again beside each, so every table's ratios come from one clock.
+by the op at trace time; "off", "on", "auto" for False, True, None, and "fwd" for SEGSUM_MATMUL), gdn's side
+traced with it set and the setting restored after; fla is timed again beside each, so every table's ratios come from one clock.
 
 Without torch, fla or CUDA (or with --gdn-only) fla is skipped, its cells say "-", and gdn runs alone (on CPU in
 Pallas' interpreter, which times nothing useful). fla 0.6.0 refuses its gated backward on Hopper with Triton <
@@ -62,8 +62,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments.bench_ops import SWITCH  # noqa: E402  (the settings of bench_ops' --switch)
-from experiments.cli import takes  # noqa: E402
+from experiments.cli import SETTINGS, takes  # noqa: E402
 from gdn.bench.op_fns import make_fn, vjp_of  # noqa: E402
 from gdn.bench.op_inputs import PRESETS, inputs  # noqa: E402
 from gdn.bench.timing import timed  # noqa: E402
@@ -282,7 +281,7 @@ def main(argv=None) -> list:
     for setting in settings:
       print(f"\n## gdn with gdn.ops.{module.__name__.rsplit('.', 1)[-1]}.{name}={setting}")
       before = getattr(module, name)
-      setattr(module, name, SWITCH[setting])
+      setattr(module, name, SETTINGS[setting])
       try:
         rows += [dict(r, switch=setting) for r in table(a, shapes, torch, switch_arg=f"{a.switch.partition('=')[0]}={setting}")]
       finally:
@@ -309,7 +308,8 @@ def parse_switch(p, spec):
   module, _, name = target.partition(".")
   settings = values.split(",")
   if not module or not name or not values or not all(takes(name, s) for s in settings):
-    p.error(f"--switch takes MODULE.NAME=a,b with settings from {sorted(SWITCH)}, got {spec!r}")
+    p.error(f"--switch takes MODULE.NAME=a,b with settings from "
+            f"{sorted(v for v in SETTINGS if takes(name, v))}, got {spec!r}")
   try:
     mod = importlib.import_module(f"gdn.ops.{module}")
   except ImportError:

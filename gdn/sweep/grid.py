@@ -28,7 +28,12 @@ class Cell:
 
   @property
   def id(self) -> str:
-    return f"{self.model}__{self.setting}__seed{self.seed}__lr{self.lr:g}"
+    return cell_id(self.model, self.setting, self.seed, self.lr)
+
+
+def cell_id(model: str, setting: str, seed: int, lr: float) -> str:
+  """A cell's name: its run directory's and its record's."""
+  return f"{model}__{setting}__seed{seed}__lr{lr:g}"
 
 
 def results_dir(config: ml_collections.ConfigDict) -> str:

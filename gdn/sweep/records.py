@@ -35,13 +35,14 @@ def save(run_dir: str) -> str:
       shutil.copyfile(os.path.join(run_dir, name), os.path.join(dest, name))
   path = os.path.join(run_dir, "metrics.jsonl")
   records = read_jsonl(path) if os.path.exists(path) else []
-  train = [i for i, r in enumerate(records) if not any(k.startswith("eval/") for k in r)]
+  is_eval = [any(k.startswith("eval/") for k in r) for r in records]
+  train = [i for i, e in enumerate(is_eval) if not e]
   # Evenly spaced from the first, and the last: at most MAX_TRAIN_POINTS in all.
   every = max(1, -(-(len(train) - 1) // max(MAX_TRAIN_POINTS - 1, 1)))
   keep = set(train[::every]) | set(train[-1:])
   with open(os.path.join(dest, "metrics.jsonl"), "w") as f:
     for i, r in enumerate(records):
-      if i in keep or any(k.startswith("eval/") for k in r):
+      if i in keep or is_eval[i]:
         f.write(json.dumps(r) + "\n")
   return dest
 
@@ -59,12 +60,13 @@ def import_csv(out_dir: str) -> list:
   a report written later keeps their final numbers, not their curves. Returns the record directories written."""
   import csv
 
+  from gdn.sweep.grid import cell_id  # grid imports this module
+
   written = []
   with open(os.path.join(out_dir, "results.csv"), newline="") as f:
     rows = list(csv.DictReader(f))
   for row in rows:
-    cell_id = f"{row['model']}__{row['setting']}__seed{int(row['seed'])}__lr{float(row['lr']):g}"
-    dest = os.path.join(out_dir, "records", cell_id)
+    dest = os.path.join(out_dir, "records", cell_id(row["model"], row["setting"], int(row["seed"]), float(row["lr"])))
     if os.path.exists(os.path.join(dest, "summary.json")):
       continue
     steps = int(float(row["steps"]))
