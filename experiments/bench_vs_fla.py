@@ -26,10 +26,10 @@ five gradients). The goal of the project's issue: gdn / fla at most 0.5 forward 
   python -m experiments.bench_vs_fla --variant kda
   python -m experiments.bench_vs_fla --variant kda --shapes 1,8192,96,128 4,4096,64,128
   python -m experiments.bench_vs_fla --gdn-only --shapes 1,64,1,16 --reps 1   # CPU smoke: gdn's columns only
-  python -m experiments.bench_vs_fla --variant kda --switch intra_chunk.SEGSUM_MATMUL=off,fwd
+  python -m experiments.bench_vs_fla --variant kda --switch intra_chunk.SEGSUM_MATMUL=off,primal
 
 --switch MODULE.NAME=a,b prints the table once per setting of the module switch `gdn.ops.<MODULE>.<NAME>` (read
-by the op at trace time; "off", "on", "auto" for False, True, None, and "fwd" for SEGSUM_MATMUL), gdn's side
+by the op at trace time; "off", "on", "auto" for False, True, None, and "primal" for SEGSUM_MATMUL), gdn's side
 traced with it set and the setting restored after; fla is timed again beside each, so every table's ratios come from one clock.
 
 Without torch, fla or CUDA (or with --gdn-only) fla is skipped, its cells say "-", and gdn runs alone (on CPU in

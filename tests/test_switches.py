@@ -28,12 +28,12 @@ def test_apply_setting_sets_every_part_and_puts_them_back():
     apply_setting("ops.intra_chunk.LOWP_SOLVE=on+ops.intra_chunk.NO_SUCH=on")
   with pytest.raises(SystemExit, match="'maybe' is not one it takes"):
     apply_setting("ops.intra_chunk.LOCAL_VJP=maybe")
-  # "fwd" is SEGSUM_MATMUL's alone.
-  with pytest.raises(SystemExit, match=r"'fwd' is not one it takes \(off, on, auto\)"):
-    apply_setting("ops.intra_chunk.LOCAL_VJP=fwd")
+  # "primal" is SEGSUM_MATMUL's alone.
+  with pytest.raises(SystemExit, match=r"'primal' is not one it takes \(off, on, auto\)"):
+    apply_setting("ops.intra_chunk.LOCAL_VJP=primal")
   assert (intra_chunk.LOWP_SOLVE, intra_chunk.LOCAL_VJP) == before
   seg = intra_chunk.SEGSUM_MATMUL
-  restore = apply_setting("ops.intra_chunk.SEGSUM_MATMUL=fwd")
-  assert intra_chunk.SEGSUM_MATMUL == "fwd"
+  restore = apply_setting("ops.intra_chunk.SEGSUM_MATMUL=primal")
+  assert intra_chunk.SEGSUM_MATMUL == "primal"
   restore()
   assert intra_chunk.SEGSUM_MATMUL is seg

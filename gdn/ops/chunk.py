@@ -24,6 +24,14 @@ BF16_LOCAL = True
 # its residuals), never stacks their float32 cotangents, and returns 16-bit cotangents for the 16-bit operands.
 # False: JAX's autodiff of `scan_chunks` and `finish` (today).
 OUTPUT_VJP = False
+# The gradients of the per-position scalars (per-head g and beta, [B, T, HV]) leave the chunk layout [B, HV, N, C]
+# through an optimization barrier: True, so XLA does not fuse their transpose back to [B, T, HV] into the reductions
+# that form them. On the H200 beta's gradient, sum_v dU v read through that transpose, was one fusion of 0.54 ms at
+# (2, 16384, 16, 128) (bfloat16, pallas: 8% of the forward+backward; its 128 MiB of reads take about 0.03 ms at the
+# card's bandwidth), emitted as a transpose with the reduction inside it. A `jax.custom_vjp` around the layout change:
+# the op then takes no forward-mode derivative (jax.jvp) through g and beta. Off until timed on a GPU
+# (`python -m experiments.bench_vs_fla --gdn-only --shapes 2,16384,16,128 --switch chunk.SCALAR_GRAD_BARRIER=off,on`).
+SCALAR_GRAD_BARRIER = False
 
 
 def compute_dtype(dtype):
@@ -50,8 +58,26 @@ def _to_chunks(x, N, C, T):
   pad = N * C - T
   if pad:
     x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-  x = jnp.moveaxis(x, 2, 1)
+  x = _heads_first_barrier(x) if SCALAR_GRAD_BARRIER and x.ndim == 3 else jnp.moveaxis(x, 2, 1)
   return x.reshape(x.shape[:2] + (N, C) + x.shape[3:])
+
+
+@jax.custom_vjp
+def _heads_first_barrier(x):
+  """[B, T, HV] -> [B, HV, T], whose VJP puts an optimization barrier on the cotangent before the transpose back
+  (SCALAR_GRAD_BARRIER)."""
+  return jnp.moveaxis(x, 2, 1)
+
+
+def _heads_first_fwd(x):
+  return jnp.moveaxis(x, 2, 1), None
+
+
+def _heads_first_bwd(_, ct):
+  return (jnp.moveaxis(jax.lax.optimization_barrier(ct), 1, 2),)
+
+
+_heads_first_barrier.defvjp(_heads_first_fwd, _heads_first_bwd)
 
 
 def _segment_masks(segment_ids, B, T, N, C):

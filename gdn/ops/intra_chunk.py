@@ -55,11 +55,14 @@ LOWP_SOLVE = True
 # (the pairwise one over the masked [.., C, C] matrix), which XLA:GPU runs as chains of small slices and windowed
 # sums: the VJP of the pairwise one, windowed sums over the [L, C, C] cotangent, was the chunk-local backward's
 # largest kernel (1.16 of 7.53 ms at (2, 16384, 16, 128) on the H200). None (the default): matmuls for a per-head
-# decay, cumulative sums for a per-key-channel one, as timed on the H200 (bfloat16, pallas, docs/benchmarks.md):
+# decay, "primal" (below) for a per-key-channel one, as timed on the H200 (bfloat16, pallas, docs/benchmarks.md):
 # per-head, matmuls take forward+backward to 0.85-0.98 of the cumulative sums' time over the five benchmark shapes;
-# per-key-channel (KDA, (4, 2048, 16, 128)), they take the forward to 0.62 but forward+backward to 1.48. "fwd": the
-# matmuls in the forward with the cumulative sums' VJP (the same linear map transposed), for both decays; not yet
-# timed on a GPU. Read at trace time.
+# per-key-channel (KDA, (4, 2048, 16, 128)), they take the forward to 0.62 but forward+backward to 1.48.
+# "primal": the matmuls where the op is not differentiated (inference, prefill, evaluation) and the cumulative sums
+# where it is (the forward rule and VJP of a `jax.custom_vjp`), so that a training step is exactly the cumulative
+# sums' program (9.61 ms forward+backward at that KDA shape) and a forward-only call the matmuls' (2.65 ms against
+# 4.54). The matmuls in the differentiated forward with the cumulative sums' VJP took 14.67 ms there: the backward's
+# loss comes from the matmuls' forward inside the differentiated program, not from their VJP. Read at trace time.
 SEGSUM_MATMUL = None
 # The pair products of a per-head decay (`_pair_scalar`: K K^T and Q K^T, float32 [L, C, C] each, times the decay
 # matrix): True, under `jax.checkpoint`, so that the backward recomputes them from q, k and g (two [C, K] x [K, C]
@@ -109,33 +112,37 @@ def _cumsum_rev_excl(g, axis):
 
 def _sum_mode(per_channel: bool) -> str:
   """How the span sums of the log-decays are formed (`SEGSUM_MATMUL`): "cumsum", "matmul" (its VJP the transposed
-  matmul) or "fwd" (the matmul, with the cumulative sums' VJP). None: "matmul" for a per-head decay, else "cumsum"."""
+  matmul) or "primal" (the matmul when not differentiated, else the cumulative sums). None: "matmul" for a
+  per-head decay, "primal" for a per-key-channel one."""
   if SEGSUM_MATMUL is None:
-    return "cumsum" if per_channel else "matmul"
+    return "primal" if per_channel else "matmul"
   if isinstance(SEGSUM_MATMUL, str):
-    if SEGSUM_MATMUL != "fwd":
-      raise ValueError(f"intra_chunk.SEGSUM_MATMUL: expected True, False, None or 'fwd', got {SEGSUM_MATMUL!r}")
-    return "fwd"
+    if SEGSUM_MATMUL != "primal":
+      raise ValueError(f"intra_chunk.SEGSUM_MATMUL: expected True, False, None or 'primal', got {SEGSUM_MATMUL!r}")
+    return "primal"
   return "matmul" if SEGSUM_MATMUL else "cumsum"
 
 
 def _by_mode(mode, matmul_fn, cumsum_fn, g):
-  """matmul_fn(g) or cumsum_fn(g) (the same sums) by `_sum_mode`; "fwd": the matmul's value with cumsum_fn's VJP
-  (both linear in g: the cotangent alone gives the gradient, XLA drops the cumulative sums' own forward)."""
+  """matmul_fn(g) or cumsum_fn(g) (the same sums, the matmul's in float32 at least) by `_sum_mode`; "primal": a
+  `jax.custom_vjp` whose primal is the matmul and whose forward rule and VJP are the cumulative sums' (both linear
+  in g: the VJP is their transpose, traced without their forward)."""
   if mode == "cumsum":
     return cumsum_fn(g)
   if mode == "matmul":
     return matmul_fn(g)
+  dt = jnp.promote_types(g.dtype, jnp.float32)
+  widened = lambda g: cumsum_fn(g.astype(dt))  # the matmul's dtype, as the custom_vjp's primal output
 
   @jax.custom_vjp
   def sums(g):
     return matmul_fn(g)
 
   def fwd(g):
-    return matmul_fn(g), g
+    return widened(g), g
 
-  def bwd(g, ct):  # in the matmul's dtype (float32 at least), as its cotangent
-    return tuple(d.astype(g.dtype) for d in jax.vjp(cumsum_fn, g.astype(ct.dtype))[1](ct))
+  def bwd(g, ct):
+    return jax.linear_transpose(widened, g)(ct)
 
   sums.defvjp(fwd, bwd)
   return sums(g)
