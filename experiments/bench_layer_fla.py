@@ -28,7 +28,8 @@ import json
 import subprocess
 import sys
 
-from experiments.cli import apply_preset, apply_setting, setting_label, switch_settings
+from experiments.cli import add_autotune_cache, apply_preset, apply_setting, setting_label, switch_settings
+from gdn.bench import autotune_cache
 
 PRESETS = {
     "h200": dict(d_model=2048, heads=16, head_dim=128, tokens=65536, lengths="2048,8192,32768", reps=10),
@@ -130,6 +131,7 @@ def parse_args(argv=None):
   p.add_argument("--switch", action="append", metavar="MODULE.NAME=off,on",
                  help="a module switch under gdn (e.g. layers.conv.CONV_VJP=off,on): one gdn row per setting; "
                       "repeated, one row per combination")
+  add_autotune_cache(p)
   p.add_argument("--worker", nargs=5, metavar=("SIDE", "T", "REMAT", "GROUPS", "SETTING"), help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   return apply_preset(a, PRESETS[a.preset], "lengths")
@@ -152,6 +154,7 @@ def main(argv=None) -> list:
   a = parse_args(argv)
   if a.worker:
     side, T, remat, groups, setting = a.worker
+    autotune_cache.use(a.autotune_cache if side == "fla" else None)  # each fla worker keeps its choices at exit
     apply_setting(setting)
     print("RESULT " + json.dumps(SIDES[side](a, int(T), remat, int(groups))), flush=True)
     return []

@@ -56,6 +56,8 @@ GiB = 2**30
 
 
 def parse_args(argv=None):
+  from experiments.cli import add_autotune_cache
+
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", default="configs/lm_paper.py:gdn-340m", help="a config file spec (FILE.py[:ARG])")
   p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
@@ -76,6 +78,7 @@ def parse_args(argv=None):
                  help="after the table, each side's N kernels with the most device time per step (gdn's also per "
                       "named stage: embed, norm, recurrent/..., attention, mlp, head, loss, optimizer), from a "
                       "profiler trace of --steps steps (gdn's in a child process)")
+  add_autotune_cache(p)
   p.add_argument("--profile-json", metavar="PATH", help=argparse.SUPPRESS)  # a profiling child's output
   a = p.parse_args(argv)
   if a.batch < 1 or a.seq_len < 2:
@@ -257,6 +260,9 @@ def main(argv=None) -> list:
   a = parse_args(argv)
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   from experiments.cli import apply_setting
+  from gdn.bench import autotune_cache
+
+  autotune_cache.use(None if a.fla == "off" else a.autotune_cache)
 
   restores = [apply_setting(setting) for setting in a.switch]
   try:

@@ -62,7 +62,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments.cli import SETTINGS, takes  # noqa: E402
+from experiments.cli import SETTINGS, add_autotune_cache, takes  # noqa: E402
+from gdn.bench import autotune_cache  # noqa: E402
 from gdn.bench.op_fns import make_fn, vjp_of  # noqa: E402
 from gdn.bench.op_inputs import PRESETS, inputs  # noqa: E402
 from gdn.bench.timing import timed  # noqa: E402
@@ -250,8 +251,10 @@ def main(argv=None) -> list:
                       "process)")
   p.add_argument("--switch", metavar="MODULE.NAME=off,on",
                  help="one table per setting of the gdn.ops module switch, e.g. intra_chunk.SEGSUM_MATMUL=off,on")
+  add_autotune_cache(p)
   p.add_argument("--profile-json", metavar="PATH", help=argparse.SUPPRESS)  # a profiling child's output
   a = p.parse_args(argv)
+  autotune_cache.use(None if a.gdn_only else a.autotune_cache)
   if a.fla_safe_gate and a.variant != "kda":
     p.error("--fla-safe-gate is for --variant kda")
   switch = parse_switch(p, a.switch)

@@ -17,6 +17,14 @@ def takes(name: str, value: str) -> bool:
   return value in SETTINGS and name in ONLY_FOR.get(value, (name,))
 
 
+def add_autotune_cache(parser):
+  """--autotune-cache DIR: fla's Triton autotuning choices read from DIR before fla is imported and the new ones
+  written back at exit (`gdn.bench.autotune_cache`)."""
+  parser.add_argument("--autotune-cache", metavar="DIR",
+                      help="keep fla's Triton autotuning choices in DIR between calls (read before fla is imported, "
+                           "the new ones written back at exit; gdn.bench.autotune_cache)")
+
+
 def apply_preset(args, preset: dict, list_key: str):
   """Fills every argument left at None from `preset`, then parses `list_key` ("1024,2_048,...") into ints."""
   for key, value in preset.items():
