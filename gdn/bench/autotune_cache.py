@@ -2,13 +2,13 @@
 
 fla picks each kernel's launch config per shape by compiling and timing every candidate (Triton's autotuner). On
 the H200 a shape of `experiments/bench_vs_fla.py` took 110-170 s with fla against about 20 s for gdn alone
-(`--gdn-only`, three switch settings), so a five-shape call against fla barely fits, or does not fit, one call
-of the device machine. Triton can keep each
-choice in its cache directory (`<TRITON_CACHE_DIR>/<key>/<kernel>.autotune.json`, the key a hash of Triton's
-version, the target, the kernel's source, the tuning key and the candidates; fla asks for it, FLA_CACHE_RESULTS,
-and TRITON_CACHE_AUTOTUNING asks for it for every autotuned kernel). A later process with those files takes the
-recorded choice and compiles that config alone. The choice is fla's own autotuner's, on the same kind of card:
-what fla gives from its second run on.
+(`--gdn-only`, three switch settings), so a five-shape call against fla barely fits, or does not fit, in ten
+minutes. Triton can keep each choice in its cache directory
+(`<TRITON_CACHE_DIR>/<key>/<kernel>.autotune.json`, the key a hash of Triton's version, the target, the kernel's
+source, the tuning key and the candidates; fla asks for it, FLA_CACHE_RESULTS, and TRITON_CACHE_AUTOTUNING asks
+for it for every autotuned kernel). A later process with those files takes the recorded choice and compiles that
+config alone. The choice is fla's own autotuner's, on the same kind of card: what fla gives from its second run
+on.
 
 `use(store)` points Triton at a fresh cache directory holding the `.autotune.json` files of `store` (a directory,
 committed or carried) and returns a function that copies the new ones back; it is also called at exit, and a
