@@ -289,6 +289,16 @@ def test_train_step_matches_a_plain_loop_on_mqar():
   assert ours[-1] < ours[0]
 
 
+def assert_same_loss(got, ref):
+  """Two ((loss, stats), grads) of `jax.value_and_grad(..., has_aux=True)` agree to float32 rounding."""
+  ((value, stats), g), ((ref_value, ref_stats), ref_g) = got, ref
+  np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-6)
+  for k in ref_stats:
+    np.testing.assert_allclose(float(stats[k]), float(ref_stats[k]), rtol=1e-6, err_msg=k)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_chunked_loss_equals_the_whole_logits_loss(scan_layers):
@@ -319,13 +329,9 @@ def test_chunked_loss_equals_the_whole_logits_loss(scan_layers):
   def values_and_grads(p):
     return [jax.value_and_grad(loss, has_aux=True)(p, chunk) for chunk in (0, *chunks)]
 
-  ((ref, ref_stats), ref_g), *chunked = values_and_grads(params)
-  for (got, stats), g in chunked:
-    np.testing.assert_allclose(float(got), float(ref), rtol=1e-6)
-    for k in ref_stats:
-      np.testing.assert_allclose(float(stats[k]), float(ref_stats[k]), rtol=1e-6, err_msg=k)
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+  ref, *chunked = values_and_grads(params)
+  for got in chunked:
+    assert_same_loss(got, ref)
 
   tc = resolve(CONFIG, ("train.steps=10", "train.warmup_steps=1")).train
   tx = optimizer.make_optimizer(tc)

@@ -40,6 +40,9 @@ class Task:
   chance: float = 0.0  # accuracy of guessing, for the scaled accuracy (acc - chance) / (1 - chance)
   bits_per_token: bool = False  # report loss in bits (byte-level text: bits per byte)
   train_windows: int = 0  # text: the train split's distinct windows (0: drawn fresh, never repeated)
+  # The most positions with a positive weight in any row of any batch, train or eval (MQAR: its largest number
+  # of pairs, one query each); 0: no bound below the length. train.supervised_head reads it.
+  max_supervised: int = 0
 
 
 def check_settings(name: str, settings, width: int) -> tuple:

@@ -47,7 +47,8 @@ def make_task(cfg: DataConfig, seed: int, num_batches: int, rows: Optional[slice
   if cfg.task == "mqar":
     c = cfg.mqar
     train = synthetic_train(functools.partial(mqar.train_batch, c), B, seed, num_batches, rows)
-    return Task("mqar", c.vocab_size, train, tuple(mqar.eval_splits(c)), chance=2.0 / c.vocab_size)
+    return Task("mqar", c.vocab_size, train, tuple(mqar.eval_splits(c)), chance=2.0 / c.vocab_size,
+                max_supervised=max(P for _, P in c.train_settings + c.eval_settings))
   if cfg.task == "niah":
     c = cfg.niah
     make = lambda rng, n: niah.train_batch(c, rng, n, seed)

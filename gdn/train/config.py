@@ -41,6 +41,11 @@ class TrainConfig:
   # Positions of every row per application of the output head in the loss, recomputed in the backward (0 = all
   # at once): the [B, T, vocab] float32 logits and their gradient are then never held whole (gdn/train/step.py).
   loss_chunk: int = 0
+  # The output head and the loss only at the positions that carry a weight: every row's supervised positions
+  # (at most the task's `max_supervised`, e.g. MQAR's pairs) are gathered before the head, so the loss and its
+  # gradient are the same and the head's FLOPs and logits shrink by T / max_supervised (16x for MQAR at
+  # (256, 16)). Only for tasks that bound their supervised positions (gdn/train/step.py).
+  supervised_head: bool = False
   log_every: int = 10
   eval_every: int = 500  # 0 = only at the end
   checkpoint_every: int = 500  # 0 = only at the end

@@ -45,6 +45,9 @@ def load_task(cfg: ExperimentConfig, rows=None, log=print):
   if task.vocab_size > cfg.model.vocab_size:
     raise ConfigError(f"config.model.vocab_size {cfg.model.vocab_size} is smaller than the vocabulary of task "
                       f"{task.name!r} ({task.vocab_size})")
+  if cfg.train.supervised_head and not task.max_supervised:
+    raise ConfigError(f"config.train.supervised_head needs a task that bounds the supervised positions of a row "
+                      f"(mqar); task {task.name!r} does not: set it to False")
   if task.train_windows:  # how often a text run sees its data, which decides whether it can overfit
     log(f"data: {last * B:,} training windows of {task.train_windows:,} in the train split "
         f"({last * B / task.train_windows:.2f} epochs)")
@@ -127,8 +130,10 @@ def _train(cfg: ExperimentConfig, log) -> dict:
   data = iterator(task.train, data_state, num_threads=cfg.data.num_threads)
   # Context parallelism in the train step only: eval runs the plain forward on the same mesh (its batches
   # may have fewer rows than the devices that split the batch, and it needs no gradients).
-  train_step = step.make_train_step(graphdef, tx, lr, mesh=mesh, loss_chunk=cfg.train.loss_chunk)
-  eval_step = step.make_eval_step(graphdef, mesh, loss_chunk=cfg.train.loss_chunk)
+  supervised = task.max_supervised if cfg.train.supervised_head else 0
+  train_step = step.make_train_step(graphdef, tx, lr, mesh=mesh, loss_chunk=cfg.train.loss_chunk,
+                                    supervised=supervised)
+  eval_step = step.make_eval_step(graphdef, mesh, loss_chunk=cfg.train.loss_chunk, supervised=supervised)
   sets = evaluate.EvalSets(task, cfg.data.eval_batch, cfg.seed)
 
   def run_eval(s):

@@ -170,14 +170,16 @@ def _train_stacked(cfgs: list, gdir: str, log) -> list:
   data = [iterator(t.train, p, num_threads=c.data.num_threads) if a else None
           for t, p, c, a in zip(tasks, positions, cfgs, active)]
   moe = "moe" in cfg0.model.mlp_kinds
-  one_step = step.train_step_fn(graphdef, tx, optimizer.lr_shape(tc), loss_chunk=tc.loss_chunk)
+  supervised = max(t.max_supervised for t in tasks) if tc.supervised_head else 0
+  one_step = step.train_step_fn(graphdef, tx, optimizer.lr_shape(tc), loss_chunk=tc.loss_chunk,
+                                supervised=supervised)
 
   def masked_step(state, batch, on):
     new, m = one_step(state, batch)
     return jax.tree.map(lambda a, b: jnp.where(on, a, b), new, state), m
 
   train_step = jax.jit(jax.vmap(masked_step), donate_argnums=0)
-  eval_step = jax.jit(jax.vmap(step.eval_step_fn(graphdef, loss_chunk=tc.loss_chunk)))
+  eval_step = jax.jit(jax.vmap(step.eval_step_fn(graphdef, loss_chunk=tc.loss_chunk, supervised=supervised)))
   sets = [evaluate.EvalSets(t, c.data.eval_batch, c.seed) for t, c in zip(tasks, cfgs)]
   splits = tasks[0].evals
   eval_batches = {}  # split name -> the cells' eval batches, stacked

@@ -77,11 +77,29 @@ def _stats(nll_BxT, hit_BxT, w):
               seqs=has.sum())
 
 
-def model_stats(model: LanguageModel, batch, loss_chunk: int = 0, return_aux_loss: bool = False):
+def supervised_positions(x_BxTxD, batch, M: int):
+  """(x, batch) at the first M positions of every row, those with a positive weight first in time order, then
+  weight-0 ones: the head applied there gives `_stats` the same sums (every weighted position, the last one
+  last). A row with more than M weighted positions gets NaN weights, so its loss is NaN rather than short of
+  some positions (`Task.max_supervised` bounds them; the train loop stops at a non-finite loss)."""
+  w = batch["weights"]
+  sup = w > 0
+  order = jnp.argsort((~sup).astype(jnp.int32), axis=1, stable=True)[:, :M]  # [B, M]
+  take = lambda a: jnp.take_along_axis(a, order.reshape(order.shape + (1,) * (a.ndim - 2)), axis=1)
+  over = sup.sum(-1) > M
+  weights = jnp.where(over[:, None], jnp.nan, take(w))
+  return take(x_BxTxD), dict(batch, targets=take(batch["targets"]), weights=weights)
+
+
+def model_stats(model: LanguageModel, batch, loss_chunk: int = 0, return_aux_loss: bool = False,
+                supervised: int = 0):
   """The token statistics of `model` on `batch` (and the MoE load-balancing loss): the logits whole
-  (loss_chunk 0) or `loss_chunk` positions of every row at a time."""
+  (loss_chunk 0) or `loss_chunk` positions of every row at a time; with `supervised` = M > 0 (below the
+  length), only at each row's M positions of `supervised_positions` (train.supervised_head)."""
   out = model.features(batch["inputs"], return_aux_loss=return_aux_loss)
   x = out[0] if return_aux_loss else out
+  if 0 < supervised < x.shape[1]:
+    x, batch = supervised_positions(x, batch, supervised)
   with jax.named_scope("loss"):
     stats = _token_stats(model.head(x), batch) if loss_chunk <= 0 else _chunked_token_stats(model, x, batch,
                                                                                            loss_chunk)
@@ -105,16 +123,18 @@ def _on_mesh(mesh):
   return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=None, loss_chunk: int = 0):
+def make_train_step(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=None, loss_chunk: int = 0,
+                    supervised: int = 0):
   """`train_step_fn`'s step, jitted; the incoming state's buffers are donated (updated in place)."""
-  return jax.jit(train_step_fn(graphdef, tx, lr_shape, mesh, loss_chunk), donate_argnums=0)
+  return jax.jit(train_step_fn(graphdef, tx, lr_shape, mesh, loss_chunk, supervised), donate_argnums=0)
 
 
-def train_step_fn(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=None, loss_chunk: int = 0):
+def train_step_fn(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=None, loss_chunk: int = 0,
+                  supervised: int = 0):
   """The pure step `(state, batch) -> (state, metrics)`, unjitted (gdn/train/stacked.py vmaps it).
   tx: `make_optimizer`'s; lr_shape: `optimizer.lr_shape(cfg)`, for the logged rate (its peak is read from the
   optimizer state); loss_chunk: train.loss_chunk (positions of every row per application of the output head in
-  the loss; 0 = all at once).
+  the loss; 0 = all at once); supervised: the positions of every row the head runs at (`model_stats`; 0 = all).
 
   mesh: None, or the `sharding.make_mesh` mesh the state and batches are sharded over: the model is traced
   under it, and the gradients are constrained to the parameters' FSDP sharding so that the sum over devices of
@@ -125,6 +145,9 @@ def train_step_fn(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=Non
   if context_parallel and loss_chunk > 0:
     raise ConfigError("config.train.loss_chunk > 0 is not supported with config.train.mesh_seq > 1: set "
                       "loss_chunk to 0")
+  if context_parallel and supervised > 0:
+    raise ConfigError("config.train.supervised_head is not supported with config.train.mesh_seq > 1: set it to "
+                      "False")
 
   def loss_fn(params, rest, batch):
     model = nnx.merge(graphdef, params, rest)
@@ -137,7 +160,7 @@ def train_step_fn(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=Non
       stats = _token_stats(_context_parallel_logits(model, batch["inputs"], mesh), batch)
     else:
       with _on_mesh(mesh):
-        stats, aux = model_stats(model, batch, loss_chunk, return_aux_loss=True)
+        stats, aux = model_stats(model, batch, loss_chunk, return_aux_loss=True, supervised=supervised)
     # The MoE layers' load-balancing loss (gdn.layers.moe), weighted by moe.aux_loss_coef; 0 without MoE layers.
     loss = stats["nll"] / jnp.maximum(stats["weight"], 1.0) + moe_coef * aux
     _, _, rest = nnx.split(model, nnx.Param, ...)
@@ -163,20 +186,20 @@ def train_step_fn(graphdef, tx: optax.GradientTransformation, lr_shape, mesh=Non
   return train_step
 
 
-def make_eval_step(graphdef, mesh=None, loss_chunk: int = 0):
+def make_eval_step(graphdef, mesh=None, loss_chunk: int = 0, supervised: int = 0):
   """`eval_step_fn`'s step, jitted."""
-  return jax.jit(eval_step_fn(graphdef, mesh, loss_chunk))
+  return jax.jit(eval_step_fn(graphdef, mesh, loss_chunk, supervised))
 
 
-def eval_step_fn(graphdef, mesh=None, loss_chunk: int = 0):
+def eval_step_fn(graphdef, mesh=None, loss_chunk: int = 0, supervised: int = 0):
   """Sums of the eval statistics over one batch (summed again over batches on the host), unjitted. mesh,
-  loss_chunk: as for `make_train_step`; eval never uses context parallelism."""
+  loss_chunk, supervised: as for `make_train_step`; eval never uses context parallelism."""
 
   def eval_step(params, rest, batch):
     model = nnx.merge(graphdef, params, rest)
     model.eval()  # dropout off
     with _on_mesh(mesh):
-      return model_stats(model, batch, loss_chunk)
+      return model_stats(model, batch, loss_chunk, supervised=supervised)
 
   return eval_step
 

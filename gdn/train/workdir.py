@@ -27,7 +27,8 @@ from gdn.train.config import ExperimentConfig, to_dict
 # takes train.resume="params_only". train.steps changes the cosine schedule from the current step on.
 RESUMABLE = ("name", "workdir", "compilation_cache", "sweep", "data.num_threads", "data.eval_batch_size",
              "train.steps", "train.stop_step", "train.log_every", "train.eval_every", "train.checkpoint_every",
-             "train.keep_checkpoints", "train.progress_bar", "train.resume", "train.skip_nonfinite")
+             "train.keep_checkpoints", "train.progress_bar", "train.resume", "train.skip_nonfinite",
+             "train.supervised_head")
 # What a run writes into its work directory besides the lock; "fresh" and "params_only" move it aside.
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "tb", "checkpoints", "corrupt_checkpoints")
 
