@@ -27,6 +27,7 @@ def get_config(size="full"):
   base.task(c, "mqar", batch_size=128, vocab_size=8192, num_layers=2)
   base.apply(c, base.width(128) + base.mixer("gated_deltanet"))
   base.schedule(c, 10_000, 500, every=1000)
+  c.train.supervised_head = True  # the head at a row's queries only: the same loss (docs/experiments.md, Training)
   c.sweep.models = models(base.MIXERS + ("hybrid_3to1",))
   c.sweep.settings = {f"d{d}": base.width(d) for d in (64, 128, 256)}
   c.sweep.learning_rates = LRS

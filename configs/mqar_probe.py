@@ -21,6 +21,7 @@ def get_config():
   c.train.checkpoint_every = 4000
   c.train.early_stop = 0.99
   c.train.progress_bar = False
+  c.train.supervised_head = True  # the head at the 4 queries of a row: the same loss (docs/experiments.md, Training)
   c.sweep.models = {"attention": base.mixer("attention")}
   c.sweep.settings = {f"vocab{v}": base.vocab(v) for v in (256, 1024, 8192)}
   c.sweep.learning_rates = (1e-3,)
