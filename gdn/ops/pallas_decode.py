@@ -66,7 +66,7 @@ NUM_STAGES = 1
 # per-head grid is 16 programs for the H200's 132 SMs (16 heads; the kernel was 6% slower than XLA's step there,
 # docs/benchmarks.md); the split grid makes it V / BV times as many. Read when the step is traced. Off: on the H200
 # (d_model 2048, 12 layers, bfloat16) it took batch 1 from 1.116 ms a token (per head) to 1.053 against XLA's
-# 1.075, within XLA's day-to-day spread, and batch 64 from 1.673 to 1.936 (docs/benchmarks.md, decoding).
+# 1.075, within XLA's spread between days, and batch 64 from 1.673 to 1.936 (docs/benchmarks.md, decoding).
 SPLIT_V = False
 SPLIT_BLOCK_V = 16
 
