@@ -4,7 +4,8 @@
   gdn-compare --config configs/mqar_zoology.py:d128     # one width (arg d<width>): the same grid at d_model 128
   gdn-compare --config configs/mqar_zoology.py:small    # CPU check of the pipeline: length 64, d_model 64, 400 steps
   gdn-compare --config configs/mqar_zoology.py:ablate   # GPU: attention at (64, 4), d_model 128, with one of
-                                                        # configs/mqar.py's differences from Zoology at a time
+                                                        # configs/mqar.py's differences from Zoology at a time,
+                                                        # all six, and all six but one (14 groups of 9 cells)
 
 Copied from Zoology's figure-2 sweep (zoology/experiments/paper_configs/iclr24_zoology_figure2): one model per
 (length, pairs) setting, (64, 4), (128, 8), (256, 16), trained and evaluated on that setting alone; vocabulary
@@ -52,6 +53,12 @@ ABLATIONS = {
     "random_tokens": ("data.mqar.random_non_queries=true",),
     "length_mixture": ("data.mqar.train_settings=((64,4),(128,8),(256,16),(512,64))",),
 }
+# All six differences at once (configs/mqar.py's recipe at d_model 128, evaluated at (64, 4), but with the control's
+# projection biases and 12,500-step schedule), and each left out in turn: if no difference alone keeps attention on
+# the plateau, these say which ones it takes together.
+DIFFERENCES = [k for k in ABLATIONS if k != "zoology"]
+COMBINED = {"all": sum((ABLATIONS[k] for k in DIFFERENCES), ())} | {
+    f"all_but_{k}": sum((ABLATIONS[j] for j in DIFFERENCES if j != k), ()) for k in DIFFERENCES}
 
 
 def get_config(size="full"):
@@ -88,7 +95,7 @@ def get_config(size="full"):
   c.sweep.x_key = "model.d_model"
   if arg == "ablate":  # 3,000 steps: the control leaves the plateau by step 500 at 2.2e-3 (results/mqar_zoology_d128)
     c.sweep.models = {"attention": base.mixer("attention")}
-    c.sweep.settings = {k: setting(64, 4, 512, 128) + v + ("train.stop_step=3000",) for k, v in ABLATIONS.items()}
+    c.sweep.settings = {k: setting(64, 4, 512, 128) + v + ("train.stop_step=3000",) for k, v in (ABLATIONS | COMBINED).items()}
     c.sweep.learning_rates = (4.6e-4, 2.2e-3, 1e-2)
     c.sweep.x_key = ""
   if small:

@@ -40,6 +40,13 @@ follows the cache's capacity.
   python -m experiments.bench_decode --preset h200 --layers 24 --contexts 1024,131072
   python -m experiments.bench_decode --preset h200 --patterns R --paths lean_xla,lean_kernel,lean_split \
       --batches 1,8,64 --contexts 1024
+  python -m experiments.bench_decode --preset h200 --patterns R --paths lean_xla --contexts 1024 \
+      --mlp-hidden 5632 --xla-option xla_gpu_enable_triton_gemm=false
+
+`--mlp-hidden` sets the SwiGLU width (the preset's d_model 2048 gives 5464, which XLA's split-K matmul pads to a
+multiple of 64 in every step; fla rounds its width up to a multiple of 256: 5632). `--xla-option KEY=VALUE`
+(repeatable) compiles the decode loop with that XLA option (`jax.stages.Lowered.compile(compiler_options=...)`;
+values true/false, integers or strings), to time XLA's choices for batch-1 matmuls.
 """
 
 from __future__ import annotations
@@ -82,6 +89,7 @@ BLOCK = 1024  # the K/V fill tiles a random block of this many slots
 
 def model_config(a, pattern: str) -> ModelConfig:
   return ModelConfig(vocab_size=a.vocab, d_model=a.d_model, num_layers=a.layers, pattern=pattern, dtype=a.dtype,
+                     mlp_hidden=getattr(a, "mlp_hidden", None),
                      recurrent=RecurrentConfig(num_heads=a.heads, head_dim=a.head_dim),
                      attention=AttentionConfig(num_heads=a.heads, head_dim=a.head_dim),
                      scan_layers=getattr(a, "scan_layers", False))
@@ -172,7 +180,8 @@ def bench(model, context: int, batch: int, a, programs: dict) -> dict:
   tok = jnp.zeros((batch,), jnp.int32)
   key = (jax.tree.structure(cache), tuple((x.shape, x.dtype) for x in jax.tree.leaves(cache)))
   if key not in programs:
-    programs[key] = jax.jit(decode, donate_argnums=1).lower(state, cache, tok).compile()
+    programs[key] = jax.jit(decode, donate_argnums=1).lower(state, cache, tok).compile(
+        compiler_options=getattr(a, "compiler_options", None) or None)
   compiled = programs[key]
   m = compiled.memory_analysis()
   row["temp"] = m.temp_size_in_bytes if m is not None else None
@@ -193,6 +202,24 @@ def bench(model, context: int, batch: int, a, programs: dict) -> dict:
   return row
 
 
+def parse_xla_options(p, items: list) -> dict:
+  """["KEY=VALUE", ...] as compile options: true/false as booleans, integers as ints, anything else a string."""
+  out = {}
+  for item in items:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+      p.error(f"--xla-option must be KEY=VALUE, got {item!r}")
+    low = value.lower()
+    if low in ("true", "false"):
+      out[key] = low == "true"
+    else:
+      try:
+        out[key] = int(value)
+      except ValueError:
+        out[key] = value
+  return out
+
+
 def fmt_bytes(b) -> str:
   if b is None:
     return "-"
@@ -206,6 +233,9 @@ def main(argv=None):
                      ("steps", int), ("reps", int)):
     p.add_argument(f"--{name}", type=kind, help="override the preset")
   p.add_argument("--dtype", choices=["float32", "bfloat16"], help="override the preset")
+  p.add_argument("--mlp-hidden", type=int, help="the SwiGLU's width (default: from d_model, a multiple of 8)")
+  p.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
+                 help="an XLA compile option for the decode loop (repeatable)")
   p.add_argument("--contexts", help="comma-separated context lengths (override the preset)")
   p.add_argument("--patterns", default=",".join(PATTERNS), help="comma-separated layer patterns; the first is the "
                  "denominator of the ratios")
@@ -218,6 +248,7 @@ def main(argv=None):
                  help="skip a context when the cache would exceed this fraction of the device's memory limit")
   a = p.parse_args(argv)
   apply_preset(a, PRESETS[a.preset], "contexts")
+  a.compiler_options = parse_xla_options(p, a.xla_option)
   patterns = [s.strip() for s in a.patterns.split(",") if s.strip()]
   batches = [int(s) for s in a.batches.split(",") if s.strip()]
   paths = [s.strip() for s in a.paths.split(",") if s.strip()]
@@ -260,7 +291,8 @@ def main(argv=None):
   base = patterns[0]
   print(f"# decode, {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}: d_model {a.d_model}, "
         f"{a.layers} layers{' (scan_layers)' if a.scan_layers else ''}, {a.heads} heads x {a.head_dim}, "
-        f"vocab {a.vocab}, {a.dtype}; {a.steps} decode steps per run, median of {a.reps}; floor at "
+        f"vocab {a.vocab}, {a.dtype}{f', SwiGLU width {a.mlp_hidden}' if a.mlp_hidden else ''}"
+        f"{''.join(f', {k}={v}' for k, v in a.compiler_options.items())}; {a.steps} decode steps per run, median of {a.reps}; floor at "
         f"{a.bandwidth_gbs:.0f} GB/s; weights " + ", ".join(f"{q} {fmt_bytes(w)}" for q, w in weights.items()))
   print()
 

@@ -43,6 +43,34 @@ def test_bench_decode_kernel_paths(capsys):
   assert (pallas_decode.DECODE_KERNEL, pallas_decode.SPLIT_V) == before
 
 
+def test_bench_decode_mlp_width_and_xla_options(capsys):
+  """--mlp-hidden sets the SwiGLU width (narrower than d_model 32's default of 88: fewer weight bytes) and
+  --xla-option reaches the compiler: an unknown option fails the row with XLA's message, a known one times it."""
+  args = TINY[:-1] + ["8", "--patterns", "R", "--paths", "lean", "--batches", "1"]
+  main(args)
+  main(args + ["--mlp-hidden", "64", "--xla-option", "xla_cpu_enable_fast_math=false"])
+  main(args + ["--xla-option", "xla_no_such_option=1"])
+  out = capsys.readouterr().out
+  heads = [line for line in out.splitlines() if line.startswith("# decode")]
+  weights = [float(h.rsplit("weights R ", 1)[1].split()[0]) for h in heads]  # MiB
+  assert "SwiGLU width 64, xla_cpu_enable_fast_math=False" in heads[1]
+  assert weights[1] < weights[0] == weights[2]
+  rows = [line for line in out.splitlines() if line.startswith("| R | lean | 1 | 8 |")]
+  assert "failed" not in rows[1] and "failed" in rows[-1] and "xla_no_such_option" in out
+
+
+def test_xla_options_parse_and_refuse_malformed():
+  import argparse
+
+  from experiments.bench_decode import parse_xla_options
+
+  p = argparse.ArgumentParser()
+  assert parse_xla_options(p, ["a=true", "b=False", "c=12", "d=FUSION,CUBLAS"]) == dict(
+      a=True, b=False, c=12, d="FUSION,CUBLAS")
+  with pytest.raises(SystemExit):
+    parse_xla_options(p, ["no_value"])
+
+
 def test_ops_per_iteration_counts_nested_loops_by_trip_count():
   def ops(n_inner):
     def f(x, w):

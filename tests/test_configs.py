@@ -175,8 +175,19 @@ def test_mqar_ablations_each_change_one_thing_from_the_zoology_control():
                                                 results="/nonexistent") if c.seed == 0 and c.lr == 2.2e-3}
   control = flat(to_dict(cells.pop("zoology")))
   assert control["model.mlp_ratio"] == 0.0 and control["model.attention.num_heads"] == 1
+
+  def changes(cfg):
+    return {k: v for k, v in flat(to_dict(cfg)).items() if control.get(k) != v and k not in ("name", "workdir")}
+
+  single = {name: changes(cfg) for name, cfg in cells.items() if not name.startswith("all")}
+  assert len(single) == 6
+  union = {k: v for d in single.values() for k, v in d.items()}
+  assert len(union) == sum(len(d) for d in single.values())  # no two differences touch the same field
+  assert changes(cells.pop("all")) == union
+  for name in single:  # all six but one: exactly the other five's changes
+    assert changes(cells.pop(f"all_but_{name}")) == {k: v for k, v in union.items() if k not in single[name]}, name
   for name, cfg in cells.items():
-    changed = {k for k, v in flat(to_dict(cfg)).items() if control.get(k) != v and k not in ("name", "workdir")}
+    changed = set(changes(cfg))
     want = {"swiglu_mlp": {"model.mlp_ratio"}, "batch_128": {"data.batch_size"},
             "random_tokens": {"data.mqar.random_non_queries"}, "length_mixture": {"data.mqar.train_settings"}}
     if name in want:
