@@ -353,7 +353,7 @@ _COMPUTE_DTYPE_PARAMS = ((nnx.Linear, ("kernel", "bias")), (FusedLinear, ("kerne
                          (Experts, ("gate_proj", "up_proj", "down_proj")))
 
 
-def for_decoding(model: LanguageModel, *, unroll: bool = False) -> LanguageModel:
+def for_decoding(model: LanguageModel, *, unroll: bool = False, mlp_multiple: int | None = None) -> LanguageModel:
   """The same model, made lean for inference (`prefill`, `decode_step`, `gdn.generate`): the projections that
   read the same input fused into one matmul per module (a recurrent layer's q, k, v, decay, beta and gate; an
   attention layer's q, k, v; an MLP's gate and up), and every weight that is only read in the compute dtype
@@ -371,12 +371,19 @@ def for_decoding(model: LanguageModel, *, unroll: bool = False) -> LanguageModel
   unroll: return a scanned model unrolled (`unstack_layers` first). A scanned step slices each layer's weights
   out of the stacks, and a backend may copy every slice before its matmul (XLA's CPU program does), reading the
   weights up to three times; the unrolled step reads them where they lie, for a longer compile.
+
+  mlp_multiple: widen every dense SwiGLU's hidden layer with zero weights to a multiple of this (e.g. 256, as fla
+  rounds its widths): the same outputs, for matmuls that tile the width without padding it (`SwiGLU.fuse`).
   """
   if not isinstance(model, LanguageModel):
     raise TypeError(f"model must be a gdn.model.LanguageModel, got {type(model).__name__}")
+  if mlp_multiple is not None and not (isinstance(mlp_multiple, int) and mlp_multiple >= 1):
+    raise ValueError(f"mlp_multiple must be a positive int or None, got {mlp_multiple!r}")
   model = unstack_layers(model) if unroll and model.cfg.scan_layers else nnx.clone(model)
   for _, m in list(nnx.iter_graph(model)):  # listed first: fusing changes the graph
-    if isinstance(m, (RecurrentMixer, Attention, SwiGLU)):
+    if isinstance(m, SwiGLU):
+      m.fuse(mlp_multiple)
+    elif isinstance(m, (RecurrentMixer, Attention)):
       m.fuse()
   for _, m in nnx.iter_graph(model):
     for kind, names in _COMPUTE_DTYPE_PARAMS:

@@ -50,13 +50,16 @@ def test_bench_decode_mlp_width_and_xla_options(capsys):
   main(args)
   main(args + ["--mlp-hidden", "64", "--xla-option", "xla_cpu_enable_fast_math=false"])
   main(args + ["--xla-option", "xla_no_such_option=1"])
+  main(args + ["--mlp-multiple", "128"])  # 88 -> 128 with zeros: more bytes read, the same model
   out = capsys.readouterr().out
   heads = [line for line in out.splitlines() if line.startswith("# decode")]
   weights = [float(h.rsplit("weights R ", 1)[1].split()[0]) for h in heads]  # MiB
   assert "SwiGLU width 64, xla_cpu_enable_fast_math=False" in heads[1]
-  assert weights[1] < weights[0] == weights[2]
+  assert weights[1] < weights[0] == weights[2] < weights[3]
+  assert "lean MLPs widened to a multiple of 128" in heads[3]
   rows = [line for line in out.splitlines() if line.startswith("| R | lean | 1 | 8 |")]
-  assert "failed" not in rows[1] and "failed" in rows[-1] and "xla_no_such_option" in out
+  timed = [r for r in rows if r.rstrip().endswith(("|",)) and "x | " in r]
+  assert len(timed) == 3 and any("failed" in r for r in rows) and "xla_no_such_option" in out
 
 
 def test_xla_options_parse_and_refuse_malformed():

@@ -131,3 +131,26 @@ def test_for_decoding_generates_the_same_tokens():
   prompt = _tokens(T=7)
   want = generate(model, prompt, 6, rng=None, temperature=0.0)
   np.testing.assert_array_equal(generate(for_decoding(model), prompt, 6, rng=None, temperature=0.0), want)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_for_decoding_widens_the_mlp_with_zeros(scan):
+  """mlp_multiple widens each SwiGLU's hidden layer (d_model 32: 88) with zero weights to a multiple (64 -> 128):
+  the logits of a prefill and decode steps are the lean model's, unrolled and scanned; a bad multiple is refused."""
+  from gdn.model import for_decoding
+
+  cfg = ModelConfig(vocab_size=VOCAB, d_model=32, num_layers=6, pattern="RRRA", recurrent=RecurrentConfig(**SMALL),
+                    attention=ATTENTION, scan_layers=scan)
+  model = LanguageModel(cfg, rngs=nnx.Rngs(4))
+  tokens = _tokens()
+  ref = _prefill_then_decode(for_decoding(model), tokens)
+  wide = for_decoding(model, mlp_multiple=64)
+  kernels = {jax.tree_util.keystr(p): x.shape for p, x in
+             jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(wide, nnx.Param)))
+             if "'mlp'" in jax.tree_util.keystr(p)}
+  assert kernels and all((s[-1] == 2 * 128) if "in_proj" in n else (s[-2] == 128) for n, s in kernels.items()), kernels
+  got = _prefill_then_decode(wide, tokens)
+  assert float(jnp.abs(got - ref).max() / jnp.abs(ref).max()) <= 1e-6
+  for bad in (0, 2.5):
+    with pytest.raises(ValueError, match="mlp_multiple"):
+      for_decoding(model, mlp_multiple=bad)
