@@ -29,13 +29,13 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 @functools.lru_cache(maxsize=None)
-def _fwd_bwd(present, chunk_size, block_v, interpret, fused_output=False, bwd_states=None):
+def _fwd_bwd(present, chunk_size, block_v, interpret, fused_output=False, bwd_states=None, narrow=None):
   """Jitted forward + VJP with fixed cotangents. With block_v and interpret None, through the public
   `gated_delta_rule(method="pallas")`; else through `pallas_chunk.pallas`, which takes them. fused_output:
   `pallas_chunk.FUSED_OUTPUT` as the caller set it (the switch is read at trace time, so it keys the cache); when
   true, the forward-only (o, S) come too, the only call that runs the fused output kernel. bwd_states:
   `pallas_chunk.BWD_STATES` as the caller set it (None: left at its default), likewise read at trace time (a key
-  of the cache only)."""
+  of the cache only); narrow: `pallas_chunk.NARROW_BLOCKS`, the same way."""
 
   def f(diff, segment_ids, co):
     def op(diff):
@@ -63,7 +63,7 @@ def run_pallas(x, *, chunk_size=8, block_v=None, interpret=None, seed=1):
   diff, seg, co = vjp_inputs(x, seed)
   fused = pallas_chunk.FUSED_OUTPUT
   o, S, grads, *forward_only = _fwd_bwd(tuple(sorted(diff)), chunk_size, block_v, interpret, fused,
-                                        pallas_chunk.BWD_STATES)(diff, seg, co)
+                                        pallas_chunk.BWD_STATES, pallas_chunk.NARROW_BLOCKS)(diff, seg, co)
   f64 = lambda o, S: (np.asarray(o, np.float64), np.asarray(S, np.float64),
                       {n: np.asarray(g, np.float64) for n, g in grads.items()})
   return (f64(o, S), f64(*forward_only[0])) if fused else f64(o, S)
@@ -286,6 +286,38 @@ def test_compiled_on_gpu(dtype, tol):
   """The compiled Triton kernels at a realistic shape: B = 2, T = 1024, H = 4, K = V = 128."""
   x, x_ref = _gpu_inputs(26, dtype)
   assert_close(run_pallas(x, chunk_size=64, interpret=False), oracle(x_ref), tol, f"gpu pallas {dtype}")
+
+
+def _grids(monkeypatch):
+  """The value-block count of every state-pass kernel launched from now on (the grid's second axis)."""
+  seen = []
+  call = pallas_chunk._call
+  monkeypatch.setattr(pallas_chunk, "_call", lambda kernel, cfg, grid, *a: (seen.append(grid[1]),
+                                                                             call(kernel, cfg, grid, *a))[1])
+  return seen
+
+
+def test_narrow_blocks_against_oracle(monkeypatch):
+  """NARROW_BLOCKS: value blocks of 32 where B * HV programs per block are fewer than NARROW_BELOW (V = 64 here:
+  two blocks instead of one), forward and backward against the oracle; above the bound the blocks stay."""
+  x = make_inputs(31, 1, 24, 2, 2, 8, 64, "head", "head")
+  monkeypatch.setattr(pallas_chunk, "NARROW_BLOCKS", True)
+  seen = _grids(monkeypatch)
+  assert_close(run_pallas(x, chunk_size=8, block_v=64), oracle(x), 1e-5, "narrow blocks")
+  assert seen and set(seen) == {2}, seen
+  monkeypatch.setattr(pallas_chunk, "NARROW_BELOW", 2)  # 2 programs (B * HV = 2, one block) are not fewer than 2
+  seen.clear()  # another length, so that the cached jitted function traces again and reads the bound
+  run_pallas(make_inputs(32, 1, 16, 2, 2, 8, 64, "head", "head"), chunk_size=8, block_v=64)
+  assert seen and set(seen) == {1}, seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
+def test_narrow_blocks_compiled_on_gpu(monkeypatch, dtype, tol):
+  """NARROW_BLOCKS with the compiled kernels at test_compiled_on_gpu's shape (B * HV = 8: blocks of 32)."""
+  monkeypatch.setattr(pallas_chunk, "NARROW_BLOCKS", True)
+  x, x_ref = _gpu_inputs(26, dtype)
+  assert_close(run_pallas(x, chunk_size=64, interpret=False), oracle(x_ref), tol, f"gpu narrow blocks {dtype}")
 
 
 @pytest.mark.gpu

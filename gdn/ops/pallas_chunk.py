@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -104,6 +105,12 @@ BWD_STATES = True
 # model's step slower despite the spills it removes, 533.6 -> 633.4 ms alone and 510.0 -> 528.3 ms with BWD_STATES
 # (docs/benchmarks.md).
 WIDE_KEYS = False
+# Value blocks of 32 instead of BLOCK_V's 64 in the state-pass kernels where the grid, B * HV programs per value
+# block, would have fewer programs than NARROW_BELOW (the H200's 132 streaming multiprocessors): each program
+# walks all N chunks in turn, so at (2, 16384, 16, 128) 64 programs leave half the card idle (the dS kernel took
+# 1.09 ms there against 0.54 ms for fla's, which autotunes blocks of 32 or 64; docs/benchmarks.md). Off until timed.
+NARROW_BLOCKS = False
+NARROW_BELOW = 132
 
 
 @dataclasses.dataclass(frozen=True)
@@ -643,6 +650,8 @@ def _operands(loc: intra_chunk.Local, S0, prec, block_v: int, interpret: Optiona
   Cp, Kp = _pow2(C), _pow2(K)
   wide = WIDE_KEYS and Kp > 128
   BV = min(_pow2(block_v), _pow2(V), 32 if wide else _pow2(block_v))
+  if NARROW_BLOCKS and BV > 32 and math.prod(loc.U.shape[:-3]) * -(-V // BV) < NARROW_BELOW:
+    BV = 32
   Vp = -(-V // BV) * BV
   operands = "bfloat16" if BF16_OPERANDS and prec == jax.lax.Precision.DEFAULT else "float32"
   op = functools.partial(_pad, dtype=jnp.dtype(operands))
