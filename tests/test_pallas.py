@@ -312,21 +312,14 @@ def test_narrow_blocks_against_oracle(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["BWD_STATES", "NARROW_BLOCKS"])
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
-def test_narrow_blocks_compiled_on_gpu(monkeypatch, dtype, tol):
-  """NARROW_BLOCKS with the compiled kernels at test_compiled_on_gpu's shape (B * HV = 8: blocks of 32)."""
-  monkeypatch.setattr(pallas_chunk, "NARROW_BLOCKS", True)
+def test_switch_compiled_on_gpu(monkeypatch, switch, dtype, tol):
+  """BWD_STATES (dS per chunk) and NARROW_BLOCKS (here B * HV = 8: value blocks of 32), each on, with the compiled
+  kernels at test_compiled_on_gpu's shape."""
+  monkeypatch.setattr(pallas_chunk, switch, True)
   x, x_ref = _gpu_inputs(26, dtype)
-  assert_close(run_pallas(x, chunk_size=64, interpret=False), oracle(x_ref), tol, f"gpu narrow blocks {dtype}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
-def test_backward_states_compiled_on_gpu(monkeypatch, dtype, tol):
-  """BWD_STATES with the compiled kernels at test_compiled_on_gpu's shape."""
-  monkeypatch.setattr(pallas_chunk, "BWD_STATES", True)
-  x, x_ref = _gpu_inputs(26, dtype)
-  assert_close(run_pallas(x, chunk_size=64, interpret=False), oracle(x_ref), tol, f"gpu dS per chunk {dtype}")
+  assert_close(run_pallas(x, chunk_size=64, interpret=False), oracle(x_ref), tol, f"gpu {switch} {dtype}")
 
 
 @pytest.mark.gpu
