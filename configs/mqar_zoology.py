@@ -95,7 +95,8 @@ def get_config(size="full"):
   c.sweep.x_key = "model.d_model"
   if arg == "ablate":  # 3,000 steps: the control leaves the plateau by step 500 at 2.2e-3 (results/mqar_zoology_d128)
     c.sweep.models = {"attention": base.mixer("attention")}
-    c.sweep.settings = {k: setting(64, 4, 512, 128) + v + ("train.stop_step=3000",) for k, v in (ABLATIONS | COMBINED).items()}
+    c.sweep.settings = {k: setting(64, 4, 512, 128) + v + ("train.stop_step=3000",)
+                        for k, v in (ABLATIONS | COMBINED).items()}
     c.sweep.learning_rates = (4.6e-4, 2.2e-3, 1e-2)
     c.sweep.x_key = ""
   if small:

@@ -298,7 +298,8 @@ def main(argv=None):
         f"{a.layers} layers{' (scan_layers)' if a.scan_layers else ''}, {a.heads} heads x {a.head_dim}, "
         f"vocab {a.vocab}, {a.dtype}{f', SwiGLU width {a.mlp_hidden}' if a.mlp_hidden else ''}"
         f"{f', lean MLPs widened to a multiple of {a.mlp_multiple}' if a.mlp_multiple else ''}"
-        f"{''.join(f', {k}={v}' for k, v in a.compiler_options.items())}; {a.steps} decode steps per run, median of {a.reps}; floor at "
+        f"{''.join(f', {k}={v}' for k, v in a.compiler_options.items())}; {a.steps} decode steps per run, "
+        f"median of {a.reps}; floor at "
         f"{a.bandwidth_gbs:.0f} GB/s; weights " + ", ".join(f"{q} {fmt_bytes(w)}" for q, w in weights.items()))
   print()
 
