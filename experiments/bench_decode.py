@@ -92,7 +92,7 @@ BLOCK = 1024  # the K/V fill tiles a random block of this many slots
 
 def model_config(a, pattern: str) -> ModelConfig:
   return ModelConfig(vocab_size=a.vocab, d_model=a.d_model, num_layers=a.layers, pattern=pattern, dtype=a.dtype,
-                     mlp_hidden=getattr(a, "mlp_hidden", None),
+                     mlp_hidden=a.mlp_hidden,
                      recurrent=RecurrentConfig(num_heads=a.heads, head_dim=a.head_dim),
                      attention=AttentionConfig(num_heads=a.heads, head_dim=a.head_dim),
                      scan_layers=getattr(a, "scan_layers", False))
@@ -184,7 +184,7 @@ def bench(model, context: int, batch: int, a, programs: dict) -> dict:
   key = (jax.tree.structure(cache), tuple((x.shape, x.dtype) for x in jax.tree.leaves(cache)))
   if key not in programs:
     programs[key] = jax.jit(decode, donate_argnums=1).lower(state, cache, tok).compile(
-        compiler_options=getattr(a, "compiler_options", None) or None)
+        compiler_options=a.compiler_options or None)
   compiled = programs[key]
   m = compiled.memory_analysis()
   row["temp"] = m.temp_size_in_bytes if m is not None else None
