@@ -42,12 +42,13 @@ follows the cache's capacity.
       --batches 1,8,64 --contexts 1024
   python -m experiments.bench_decode --preset h200 --patterns R --paths lean_xla --contexts 1024 \
       --mlp-hidden 5632 --xla-option xla_gpu_enable_triton_gemm=false
-  python -m experiments.bench_decode --preset h200 --patterns R --paths lean_xla --contexts 1024 --mlp-multiple 256
+  python -m experiments.bench_decode --preset h200 --patterns R --paths lean_xla --contexts 1024 --mlp-multiple 1
 
 `--mlp-hidden` sets the SwiGLU width (the preset's d_model 2048 gives 5464, which XLA's split-K matmul pads to a
 multiple of 64 in every step; fla rounds its width up to a multiple of 256: 5632); `--mlp-multiple M` keeps the
 model's width and widens the lean model's MLPs with zero weights to a multiple of M (`for_decoding(...,
-mlp_multiple=M)`: the same logits; the floor counts the zeros, which are read). `--xla-option KEY=VALUE`
+mlp_multiple=M)`, whose default is 256; 1 keeps the width: the same logits; the floor counts the zeros, which are
+read). `--xla-option KEY=VALUE`
 (repeatable) compiles the decode loop with that XLA option (`jax.stages.Lowered.compile(compiler_options=...)`;
 values true/false, integers or strings), to time XLA's choices for batch-1 matmuls.
 """
@@ -237,7 +238,9 @@ def main(argv=None):
     p.add_argument(f"--{name}", type=kind, help="override the preset")
   p.add_argument("--dtype", choices=["float32", "bfloat16"], help="override the preset")
   p.add_argument("--mlp-hidden", type=int, help="the SwiGLU's width (default: from d_model, a multiple of 8)")
-  p.add_argument("--mlp-multiple", type=int, help="lean paths: the MLPs widened with zeros to a multiple of this")
+  p.add_argument("--mlp-multiple", type=int, default=256,
+                 help="lean paths: the MLPs widened with zeros to a multiple of this (for_decoding's default "
+                 "256; 1 keeps the width)")
   p.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
                  help="an XLA compile option for the decode loop (repeatable)")
   p.add_argument("--contexts", help="comma-separated context lengths (override the preset)")
@@ -297,7 +300,7 @@ def main(argv=None):
   print(f"# decode, {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}: d_model {a.d_model}, "
         f"{a.layers} layers{' (scan_layers)' if a.scan_layers else ''}, {a.heads} heads x {a.head_dim}, "
         f"vocab {a.vocab}, {a.dtype}{f', SwiGLU width {a.mlp_hidden}' if a.mlp_hidden else ''}"
-        f"{f', lean MLPs widened to a multiple of {a.mlp_multiple}' if a.mlp_multiple else ''}"
+        f"{f', lean MLPs widened to a multiple of {a.mlp_multiple}' if a.mlp_multiple != 1 else ''}"
         f"{''.join(f', {k}={v}' for k, v in a.compiler_options.items())}; {a.steps} decode steps per run, "
         f"median of {a.reps}; floor at "
         f"{a.bandwidth_gbs:.0f} GB/s; weights " + ", ".join(f"{q} {fmt_bytes(w)}" for q, w in weights.items()))

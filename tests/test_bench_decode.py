@@ -44,19 +44,21 @@ def test_bench_decode_kernel_paths(capsys):
 
 
 def test_bench_decode_mlp_width_and_xla_options(capsys):
-  """--mlp-hidden sets the SwiGLU width (narrower than d_model 32's default of 88: fewer weight bytes) and
-  --xla-option reaches the compiler: an unknown option fails the row with XLA's message, a known one times it."""
+  """--mlp-hidden sets the SwiGLU width (narrower than d_model 32's default of 88: fewer weight bytes), the lean
+  MLPs are widened with zeros to a multiple of 256 unless --mlp-multiple 1, and --xla-option reaches the compiler:
+  an unknown option fails the row with XLA's message, a known one times it."""
   args = TINY[:-1] + ["8", "--patterns", "R", "--paths", "lean", "--batches", "1"]
-  main(args)
-  main(args + ["--mlp-hidden", "64", "--xla-option", "xla_cpu_enable_fast_math=false"])
-  main(args + ["--xla-option", "xla_no_such_option=1"])
-  main(args + ["--mlp-multiple", "128"])  # 88 -> 128 with zeros: more bytes read, the same model
+  keep = ["--mlp-multiple", "1"]
+  main(args + keep)
+  main(args + keep + ["--mlp-hidden", "64", "--xla-option", "xla_cpu_enable_fast_math=false"])
+  main(args + keep + ["--xla-option", "xla_no_such_option=1"])
+  main(args)  # 88 -> 256 with zeros: more bytes read, the same model
   out = capsys.readouterr().out
   heads = [line for line in out.splitlines() if line.startswith("# decode")]
   weights = [float(h.rsplit("weights R ", 1)[1].split()[0]) for h in heads]  # MiB
   assert "SwiGLU width 64, xla_cpu_enable_fast_math=False" in heads[1]
   assert weights[1] < weights[0] == weights[2] < weights[3]
-  assert "lean MLPs widened to a multiple of 128" in heads[3]
+  assert "widened" not in heads[0] and "lean MLPs widened to a multiple of 256" in heads[3]
   rows = [line for line in out.splitlines() if line.startswith("| R | lean | 1 | 8 |")]
   timed = [r for r in rows if "x | " in r]  # the timing table's rows: their ms / floor ends in "x"
   assert len(timed) == 3 and any("failed" in r for r in rows) and "xla_no_such_option" in out

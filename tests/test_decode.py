@@ -135,15 +135,16 @@ def test_for_decoding_generates_the_same_tokens():
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_for_decoding_widens_the_mlp_with_zeros(scan):
-  """mlp_multiple widens each SwiGLU's hidden layer (d_model 32: 88) with zero weights to a multiple (64 -> 128):
-  the logits of a prefill and decode steps are the lean model's, unrolled and scanned; a bad multiple is refused."""
+  """mlp_multiple widens each SwiGLU's hidden layer (d_model 32: 88; None keeps it) with zero weights to a
+  multiple (64 -> 128): the logits of a prefill and decode steps are the unwidened lean model's, unrolled and
+  scanned; a bad multiple is refused."""
   from gdn.model import for_decoding
 
   cfg = ModelConfig(vocab_size=VOCAB, d_model=32, num_layers=6, pattern="RRRA", recurrent=RecurrentConfig(**SMALL),
                     attention=ATTENTION, scan_layers=scan)
   model = LanguageModel(cfg, rngs=nnx.Rngs(4))
   tokens = _tokens()
-  ref = _prefill_then_decode(for_decoding(model), tokens)
+  ref = _prefill_then_decode(for_decoding(model, mlp_multiple=None), tokens)
   wide = for_decoding(model, mlp_multiple=64)
   kernels = {jax.tree_util.keystr(p): x.shape for p, x in
              jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(wide, nnx.Param)))

@@ -315,9 +315,9 @@ def test_narrow_blocks_against_oracle(monkeypatch):
 @pytest.mark.parametrize("switch", ["BWD_STATES", "NARROW_BLOCKS"])
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
 def test_switch_compiled_on_gpu(monkeypatch, switch, dtype, tol):
-  """BWD_STATES (dS per chunk) and NARROW_BLOCKS (here B * HV = 8: value blocks of 32), each on, with the compiled
-  kernels at test_compiled_on_gpu's shape."""
-  monkeypatch.setattr(pallas_chunk, switch, True)
+  """BWD_STATES (dS per chunk) and NARROW_BLOCKS (here B * HV = 8: value blocks of 32), each set the other way from
+  its default (test_compiled_on_gpu runs the defaults), with the compiled kernels at test_compiled_on_gpu's shape."""
+  monkeypatch.setattr(pallas_chunk, switch, not getattr(pallas_chunk, switch))
   x, x_ref = _gpu_inputs(26, dtype)
   assert_close(run_pallas(x, chunk_size=64, interpret=False), oracle(x_ref), tol, f"gpu {switch} {dtype}")
 

@@ -1,7 +1,6 @@
 """`chunk.SCALAR_GRAD_BARRIER`: the gradients of per-head g and beta leave the chunk layout through an
-optimization barrier; `chunk.CHUNKED_BARRIER`: the chunked q, k, v pass one. The op's outputs and gradients
-against the float64 oracle with each on, equal to it off, and the barriers present only when on (so the check can
-fail)."""
+optimization barrier. The op's outputs and gradients against the float64 oracle with it on, equal to it off, and
+the barriers present only when on (so the check can fail)."""
 
 import jax
 import pytest
@@ -25,13 +24,12 @@ def _barriers(jaxpr):
   return n
 
 
-@pytest.mark.parametrize("switch", ["SCALAR_GRAD_BARRIER", "CHUNKED_BARRIER"])
 @pytest.mark.parametrize("method", ["chunk", "pallas"])
-def test_values_and_gradients_are_unchanged(monkeypatch, method, switch):
+def test_values_and_gradients_are_unchanged(monkeypatch, method):
   """Grouped value heads, packed segments, an initial state, T not a multiple of C, per-head g and beta."""
   x = make_inputs(71, 2, 45, 1, 2, 16, 16, "head", "head", segments=True)
   want = oracle(x, chunk_size=16)
-  got = {}
+  switch, got = "SCALAR_GRAD_BARRIER", {}
   for on in (False, True):
     monkeypatch.setattr(chunk, switch, on)
     got[on] = test_ops.run(method, x, chunk_size=16, switches=((switch, on),))
@@ -60,18 +58,3 @@ def test_the_barrier_is_in_the_vjp_only_when_on(monkeypatch, g_kind):
   assert counts[False] == (0, 0), counts
   assert counts[True] == (2 if g_kind == "head" else 1, 0), counts
 
-
-def test_the_chunked_barrier_is_in_the_forward_only_when_on(monkeypatch):
-  """One barrier around the chunked q, k, v in the forward (its transpose puts one on their cotangents)."""
-  x = make_inputs(73, 1, 32, 1, 1, 16, 16, "head", "head")
-  diff, _, _ = test_ops.vjp_inputs(x)
-  counts = {}
-  for on in (False, True):
-    monkeypatch.setattr(chunk, "CHUNKED_BARRIER", on)
-
-    def op(d):  # defined per setting: make_jaxpr caches traces by function identity
-      return test_ops.ops.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"], method="chunk",
-                                           chunk_size=16)[0]
-
-    counts[on] = _barriers(jax.make_jaxpr(op)(diff).jaxpr)
-  assert counts == {False: 0, True: 1}, counts

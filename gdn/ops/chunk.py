@@ -32,12 +32,6 @@ OUTPUT_VJP = False
 # the op then takes no forward-mode derivative (jax.jvp) through g and beta. Off: on the H200 it changed
 # forward+backward by -0.1%, +1.0%, -3.8% at three shapes (results/benchmarks/h200_2026-12-02/scalar_grad_barrier.txt).
 SCALAR_GRAD_BARRIER = False
-# The chunked q, k, v ([B, HV, N, C, D], after the layout change from [B, T, H, D]) behind one optimization
-# barrier: True, so XLA materializes them once and the backward's products read them there, rather than fusing the
-# layout change into each consumer. On the H200 beta's gradient (sum_v of the solve's cotangent times v, 0.54 ms
-# at (2, 16384, 16, 128)) read v through that transpose inside its reduction, 10x slower than its bytes
-# (docs/benchmarks.md). Off until timed.
-CHUNKED_BARRIER = False
 
 
 def compute_dtype(dtype):
@@ -164,8 +158,6 @@ def prepare(q, k, v, g, beta, *, scale, segment_ids, dims: checks.Dims, chunk_si
   vc = _to_chunks(v.astype(odt), N, C, T)
   gc = _to_chunks(cast(g), N, C, T)
   bc = _to_chunks(cast(beta), N, C, T)
-  if CHUNKED_BARRIER:
-    qc, kc, vc = jax.lax.optimization_barrier((qc, kc, vc))
   masks = _segment_masks(segment_ids, B, T, N, C)
   # One flat batch axis for the chunk-local work: XLA:CPU has crashed compiling the backward of batched
   # matmuls with three leading batch axes.

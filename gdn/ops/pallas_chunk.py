@@ -108,8 +108,11 @@ WIDE_KEYS = False
 # Value blocks of 32 instead of BLOCK_V's 64 in the state-pass kernels where the grid, B * HV programs per value
 # block, would have fewer programs than NARROW_BELOW (the H200's 132 streaming multiprocessors): each program
 # walks all N chunks in turn, so at (2, 16384, 16, 128) 64 programs leave half the card idle (the dS kernel took
-# 1.09 ms there against 0.54 ms for fla's, which autotunes blocks of 32 or 64; docs/benchmarks.md). Off until timed.
-NARROW_BLOCKS = False
+# 1.09 ms there against 0.54 ms for fla's, which autotunes blocks of 32 or 64; docs/benchmarks.md). On: in one
+# process on the H200 it took forward+backward from 7.295 to 6.815 ms at (2, 16384, 16, 128) and 2.147 to 2.082
+# at (4, 2048, 16, 128), where (1, 8192, 96, 128), above the bound, moved 1.7% (narrow_blocks.txt in
+# results/benchmarks/h200_2026-12-02).
+NARROW_BLOCKS = True
 NARROW_BELOW = 132
 
 
