@@ -311,6 +311,20 @@ def test_narrow_blocks_against_oracle(monkeypatch):
   assert seen and set(seen) == {1}, seen
 
 
+def test_narrow_bound_follows_the_device(monkeypatch):
+  """NARROW_BELOW None: the default device's multiprocessor count, 132 where it reports none; an int wins."""
+  class Card:
+    core_count = 108
+
+  monkeypatch.setattr(pallas_chunk, "NARROW_BELOW", None)
+  monkeypatch.setattr(jax, "devices", lambda *a: [object()])
+  assert pallas_chunk.narrow_below() == 132
+  monkeypatch.setattr(jax, "devices", lambda *a: [Card()])
+  assert pallas_chunk.narrow_below() == 108
+  monkeypatch.setattr(pallas_chunk, "NARROW_BELOW", 7)
+  assert pallas_chunk.narrow_below() == 7
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("switch", ["BWD_STATES", "NARROW_BLOCKS"])
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])

@@ -106,14 +106,23 @@ BWD_STATES = True
 # (docs/benchmarks.md).
 WIDE_KEYS = False
 # Value blocks of 32 instead of BLOCK_V's 64 in the state-pass kernels where the grid, B * HV programs per value
-# block, would have fewer programs than NARROW_BELOW (the H200's 132 streaming multiprocessors): each program
+# block, would have fewer programs than the card has streaming multiprocessors (`narrow_below`): each program
 # walks all N chunks in turn, so at (2, 16384, 16, 128) 64 programs leave half the card idle (the dS kernel took
 # 1.09 ms there against 0.54 ms for fla's, which autotunes blocks of 32 or 64; docs/benchmarks.md). On: in one
 # process on the H200 it took forward+backward from 7.295 to 6.815 ms at (2, 16384, 16, 128) and 2.147 to 2.082
 # at (4, 2048, 16, 128), where (1, 8192, 96, 128), above the bound, moved 1.7% (narrow_blocks.txt in
 # results/benchmarks/h200_2026-12-02).
 NARROW_BLOCKS = True
-NARROW_BELOW = 132
+# The bound: None reads the default device's multiprocessor count (`core_count`, 132 on the H200), or 132 where
+# the device has none (the CPU, running the kernels in Pallas' interpreter); an int sets it.
+NARROW_BELOW = None
+
+
+def narrow_below() -> int:
+  """The program count below which NARROW_BLOCKS narrows the value blocks (NARROW_BELOW, or the device's)."""
+  if NARROW_BELOW is not None:
+    return NARROW_BELOW
+  return getattr(jax.devices()[0], "core_count", None) or 132
 
 
 @dataclasses.dataclass(frozen=True)
@@ -653,7 +662,7 @@ def _operands(loc: intra_chunk.Local, S0, prec, block_v: int, interpret: Optiona
   Cp, Kp = _pow2(C), _pow2(K)
   wide = WIDE_KEYS and Kp > 128
   BV = min(_pow2(block_v), _pow2(V), 32 if wide else _pow2(block_v))
-  if NARROW_BLOCKS and BV > 32 and math.prod(loc.U.shape[:-3]) * -(-V // BV) < NARROW_BELOW:
+  if NARROW_BLOCKS and BV > 32 and math.prod(loc.U.shape[:-3]) * -(-V // BV) < narrow_below():
     BV = 32
   Vp = -(-V // BV) * BV
   operands = "bfloat16" if BF16_OPERANDS and prec == jax.lax.Precision.DEFAULT else "float32"
