@@ -21,7 +21,9 @@ clipping, cosine decay to 0 without warmup; tied embeddings, init std 0.02, outp
 Not copied: RoPE instead of learned absolute position embeddings; RMSNorm instead of LayerNorm; no dropout
 (Zoology: 0.1 on attention weights and embeddings); fresh examples every step instead of 64 passes over a
 fixed 100,000 (as many sequences, none repeated); the cosine per step instead of per epoch; evaluation every
-500 steps instead of every epoch (196 steps); norms and biases not decayed. Zoology's figure 2 has no Gated
+500 steps instead of every epoch (196 steps); norms and biases not decayed; float32 matmuls as JAX computes them
+by default (TF32 operands on the H200), where PyTorch's default is float32 (`train.matmul_precision=float32`
+copies that). Zoology's figure 2 has no Gated
 DeltaNet: ours runs with the same block (one head, no MLP) and grid.
 """
 

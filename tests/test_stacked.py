@@ -252,3 +252,24 @@ def test_pieces_resume_checkpointed_groups_and_leave_finished_cells_out(tmp_path
   assert ids(grid.stacks(cells)) == [[cells[1].id, cells[2].id], [cells[5].id, cells[4].id], [cells[3].id]]
   os.rmdir(os.path.join(piece, "checkpoints", "4"))  # without checkpoints the piece is not kept
   assert ids(grid.stacks(cells, 2)) == [[cells[1].id, cells[2].id], [cells[3].id, cells[4].id], [cells[5].id]]
+
+
+def test_matmul_precision_is_set_around_training_alone_and_stacked(tmp_path, monkeypatch):
+  """train.matmul_precision is the `jax.default_matmul_precision` that `train` and `train_stacked` run their
+  work in ("" leaves it alone); a value JAX does not name is refused with the key."""
+  import jax
+
+  from gdn.train import loop
+
+  seen = []
+  record = lambda *a, **k: seen.append(jax.config.jax_default_matmul_precision) or []
+  monkeypatch.setattr(loop, "_train", record)
+  monkeypatch.setattr(stacked, "_train_stacked", record)
+  before = jax.config.jax_default_matmul_precision
+  train(_cfg(tmp_path, 0, 1e-3, "train.matmul_precision=float32"), log=QUIET)
+  stacked.train_stacked([_cfg(tmp_path / "st", s, 1e-3, "train.matmul_precision=bfloat16") for s in (0, 1)],
+                        log=QUIET)
+  train(_cfg(tmp_path / "plain", 0, 1e-3), log=QUIET)
+  assert seen == ["float32", "bfloat16", before] and jax.config.jax_default_matmul_precision == before
+  with pytest.raises(ConfigError, match="matmul_precision"):
+    _cfg(tmp_path, 0, 1e-3, "train.matmul_precision=fp32")

@@ -6,9 +6,12 @@ and library code: it builds the frozen dataclasses and names the offending key w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import typing
+
+import jax
 
 from gdn.config import ModelConfig
 from gdn.data import DataConfig
@@ -19,6 +22,7 @@ class ConfigError(ValueError):
 
 
 RESUME_MODES = ("auto", "fresh", "params_only")
+MATMUL_PRECISIONS = ("", "float32", "tensorfloat32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +63,11 @@ class TrainConfig:
   # "params_only" sets it aside and starts again from its newest parameters (new optimizer, step 0).
   resume: str = "auto"
   skip_nonfinite: int = 0  # steps with a non-finite loss or gradient norm to skip before stopping (0: stop at one)
+  # Precision of the float32 matmuls that name none (`jax.default_matmul_precision` around training and
+  # evaluation): "" keeps the backend's default, which on recent NVIDIA GPUs rounds the operands to TF32 (and on
+  # TPU to bfloat16 passes); "float32" computes them in float32, as PyTorch does by default
+  # (torch.backends.cuda.matmul.allow_tf32 is False); "tensorfloat32" and "bfloat16" ask for those.
+  matmul_precision: str = ""
 
   def __post_init__(self):
     for name in ("steps", "log_every", "keep_checkpoints"):
@@ -96,10 +105,16 @@ class TrainConfig:
         raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
     if not self.early_stop >= 0:
       raise ValueError(f"early_stop must be >= 0, got {self.early_stop}")
+    if self.matmul_precision not in MATMUL_PRECISIONS:
+      raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {self.matmul_precision!r}")
 
   @property
   def last_step(self) -> int:
     return self.stop_step or self.steps
+
+  def precision(self):
+    """The context that training and evaluation run in: `jax.default_matmul_precision`, or nothing for ""."""
+    return jax.default_matmul_precision(self.matmul_precision) if self.matmul_precision else contextlib.nullcontext()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,7 +66,8 @@ def train(cfg: ExperimentConfig, log=print) -> dict:
   os.makedirs(cfg.run_dir, exist_ok=True)
   lock = workdirs.Lock(cfg.run_dir, jax.process_index())
   try:
-    return _train(cfg, log)
+    with cfg.train.precision():
+      return _train(cfg, log)
   finally:
     lock.release()
 

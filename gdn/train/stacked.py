@@ -85,7 +85,8 @@ def train_stacked(cfgs: list, log=print) -> list:
       if not workdirs.finished(cfg):
         os.makedirs(cfg.run_dir, exist_ok=True)
         locks.append(workdirs.Lock(cfg.run_dir))
-    return _train_stacked(cfgs, gdir, log)
+    with cfgs[0].train.precision():  # the same in every cell (`check`)
+      return _train_stacked(cfgs, gdir, log)
   finally:
     for lock in locks:
       lock.release()
