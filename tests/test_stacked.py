@@ -139,7 +139,9 @@ def test_a_cell_that_reaches_the_target_stops_while_the_others_go_on(tmp_path):
   # At lr 1e-2 the tiny model gets 2 of the 16 eval tokens right by step 8 (measured); at 1e-4 it gets none in
   # 16 steps. Only the first cell reaches an eval accuracy of 0.1.
   fast, slow = (_cfg(tmp_path, s, lr, "train.early_stop=0.1") for s, lr in ((2, 1e-2), (0, 1e-4)))
-  summaries = stacked.train_stacked([fast, slow], log=QUIET)
+  lines = []
+  summaries = stacked.train_stacked([fast, slow], log=lines.append)
+  assert "1 of 2 stacked cells still training: stacked again as a program of 1" in lines  # SHRINK
   stop = min(s for s, r in _records(fast).items() if r.get("eval/accuracy", 0.0) >= 0.1)
   assert stop < 16
   assert summaries[0]["stopped_early"] and summaries[0]["steps"] == stop == max(_records(fast))
@@ -152,6 +154,38 @@ def test_a_cell_that_reaches_the_target_stops_while_the_others_go_on(tmp_path):
   train(alone, log=QUIET)
   np.testing.assert_allclose([_records(slow)[i]["train/loss"] for i in range(1, 17)],
                              [_records(alone)[i]["train/loss"] for i in range(1, 17)], rtol=1e-5)
+
+
+def test_a_shrunk_group_resumes_exactly(tmp_path, monkeypatch):
+  """A group killed after its fast cell ended and the program shrank (SHRINK) resumes from its checkpoint, which
+  holds both cells, as the shrunk program: the slow cell's losses equal the uninterrupted run's exactly."""
+  cells = ((2, 1e-2), (0, 1e-4))  # the first stops at an eval accuracy of 0.1 by step 8 (as above), the second not
+  full = [_cfg(tmp_path / "full", s, lr, "train.early_stop=0.1") for s, lr in cells]
+  stacked.train_stacked(full, log=QUIET)
+  assert _summary(full[0])["steps"] <= 8
+  cfgs = [_cfg(tmp_path / "crashed", s, lr, "train.early_stop=0.1") for s, lr in cells]
+  write = metrics.MetricWriter.write
+
+  class Killed(Exception):
+    pass
+
+  def killed_at_step_14(self, step, prefix, values):
+    if step == 14:
+      raise Killed
+    write(self, step, prefix, values)
+
+  monkeypatch.setattr(metrics.MetricWriter, "write", killed_at_step_14)
+  with pytest.raises(Killed):
+    stacked.train_stacked(cfgs, log=QUIET)
+  monkeypatch.setattr(metrics.MetricWriter, "write", write)
+  lines = []
+  stacked.train_stacked(cfgs, log=lines.append)
+  assert "resumed 2 stacked cells from step 12" in "\n".join(lines)
+  assert "1 of 2 stacked cells still training: stacked again as a program of 1" in lines
+  a, b = _records(full[1]), _records(cfgs[1])
+  assert sorted(a) == sorted(b) == list(range(1, 17))
+  assert all(b[i]["train/loss"] == a[i]["train/loss"] and b[i].get("eval/loss") == a[i].get("eval/loss") for i in a)
+  assert all(_summary(cfgs[0])[k] == _summary(full[0])[k] for k in ("steps", "stopped_early", "eval"))
 
 
 def test_a_cell_with_a_non_finite_step_stops_without_a_summary_and_stays_stopped(tmp_path, monkeypatch):

@@ -8,8 +8,9 @@ A cell trains as `train` would train it: the same initial parameters and batches
 optimizer, its peak rate held in its optimizer state (gdn/train/optimizer.py), so one compiled step serves every
 rate. It stops early at the first evaluation that reaches train.early_stop, and more than train.skip_nonfinite
 non-finite steps stop it without a summary (as `gdn.sweep.grid.run_cells` leaves a cell that raises
-NonFiniteLoss). A cell that has ended is frozen (its updates masked off) and keeps its slot until every cell
-of the group has ended.
+NonFiniteLoss). A cell that has ended is frozen (its updates masked off) and keeps its slot until half or more
+of the program's cells have ended; then the cells still training are stacked again as a smaller program (SHRINK),
+so that a group whose fast cells stop early does not pay for them until its slowest cell ends.
 
 Each cell keeps its run directory with the files `train` writes there (config.json, metrics.jsonl, tb/,
 summary.json), so sweeps and their reports read stacked cells as they read the others. The checkpoints are the
@@ -37,6 +38,9 @@ from gdn.train.loop import due, eval_line, load_task, nonfinite_stop, summarize
 
 # The config keys in which the cells of one group may differ.
 PER_CELL = ("name", "workdir", "seed", "train.learning_rate")
+# True: once half or more of the running program's cells have ended, the others are stacked again as a program
+# of their own (one more compile for each halving); the group's checkpoints keep every cell's state either way.
+SHRINK = True
 
 
 def check(cfgs) -> None:
@@ -115,6 +119,16 @@ def _cell(tree, i: int):
   return jax.tree.map(lambda x: x[i], tree)
 
 
+def _take(tree, rows: list):
+  """The rows `rows` of every leaf's leading (cell) axis."""
+  return jax.tree.map(lambda x: x[np.asarray(rows)], tree)
+
+
+def _put(tree, rows: list, part):
+  """`tree` with its rows `rows` replaced by `part`'s."""
+  return jax.tree.map(lambda x, y: x.at[np.asarray(rows)].set(y), tree, part)
+
+
 def _train_stacked(cfgs: list, gdir: str, log) -> list:
   N, cfg0 = len(cfgs), cfgs[0]
   tc, last = cfg0.train, cfg0.train.last_step
@@ -183,19 +197,38 @@ def _train_stacked(cfgs: list, gdir: str, log) -> list:
   eval_step = jax.jit(jax.vmap(step.eval_step_fn(graphdef, loss_chunk=tc.loss_chunk, supervised=supervised)))
   sets = [evaluate.EvalSets(t, c.data.eval_batch, c.seed) for t, c in zip(tasks, cfgs)]
   splits = tasks[0].evals
-  eval_batches = {}  # split name -> the cells' eval batches, stacked
+  eval_batches = {}  # split name -> the running cells' eval batches, stacked
+  # The running program trains the cells `rows` (indices into cfgs, in order), and `state` holds their rows
+  # only; `whole` is every cell's state while it runs a subset (the other cells' rows as they ended), else None.
+  rows, whole = list(range(N)), None
+
+  def group_state():
+    """Every cell's state, in cfgs' order: what the group's checkpoints hold."""
+    return state if whole is None else _put(whole, rows, state)
+
+  def shrink():
+    """Once half or more of the running cells have ended, the rest as a program of their own (SHRINK)."""
+    nonlocal state, rows, whole
+    keep = [j for j, i in enumerate(rows) if active[i]]
+    if not SHRINK or not keep or len(keep) > len(rows) // 2:
+      return
+    whole = group_state()
+    state, rows = _take(state, keep), [rows[j] for j in keep]
+    eval_batches.clear()
+    log(f"{len(rows)} of {N} stacked cells still training: stacked again as a program of {len(rows)}")
 
   def run_eval(s) -> dict:
     """{cell: its eval metrics} for the active cells, written to their metrics."""
     for split in splits:
       if split.name not in eval_batches:
-        eval_batches[split.name] = [_stack(list(b), moe) for b in zip(*(c.batches(split) for c in sets))]
+        eval_batches[split.name] = [_stack(list(b), moe) for b in zip(*(sets[i].batches(split) for i in rows))]
     sums = {split.name: evaluate.add(eval_step(state.params, state.rest, b) for b in eval_batches[split.name])
             for split in splits}
     out = {}
-    for i in (i for i in range(N) if active[i]):
-      out[i] = evaluate.metrics(tasks[i], {name: _cell(s_, i) for name, s_ in sums.items()})
-      writers[i].write(s, "eval", out[i])
+    for j, i in enumerate(rows):
+      if active[i]:
+        out[i] = evaluate.metrics(tasks[i], {name: _cell(s_, j) for name, s_ in sums.items()})
+        writers[i].write(s, "eval", out[i])
     return out
 
   def stop(i):
@@ -219,11 +252,11 @@ def _train_stacked(cfgs: list, gdir: str, log) -> list:
   skipped = [0] * N  # steps whose update a non-finite loss or gradient dropped, this launch
 
   def flush(pending):
-    ps, pm, on = pending
+    ps, pm, on, prows = pending
     pm = jax.device_get(pm)
     now = time.perf_counter()
-    for i in (i for i in range(N) if on[i] and not failed[i]):
-      m = {k: float(v[i]) for k, v in pm.items()}
+    for j, i in ((j, i) for j, i in enumerate(prows) if on[j] and not failed[i]):
+      m = {k: float(v[j]) for k, v in pm.items()}
       if m["nonfinite"] or ps % tc.log_every == 0 or ps == last:
         m["tokens_per_s"] = window_tokens[i] / max(now - window_start[i], 1e-9)
         window_tokens[i], window_start[i] = 0, now
@@ -243,16 +276,17 @@ def _train_stacked(cfgs: list, gdir: str, log) -> list:
   pending, saved = None, start
   s = start
   try:
+    shrink()  # cells that ended before this launch
     for s in range(start + 1, last + 1):
-      on = np.asarray(active)
-      batches = [next(it) if a else None for it, a in zip(data, active)]
-      for i, b in enumerate(batches):
+      on = np.asarray([active[i] for i in rows])
+      batches = [next(data[i]) if active[i] else None for i in rows]
+      for i, b in zip(rows, batches):
         if b is not None:
           window_tokens[i] += b["inputs"].size
       state, m = train_step(state, _stack(batches, moe), on)
       if pending is not None:
         flush(pending)
-      pending = (s, m, on)
+      pending = (s, m, on, rows)
       bar.update(1)
       evals, saves = due(tc, s, last)
       if evals or saves:  # both wait for the step anyway: read its metrics first, to stop before a bad save
@@ -269,14 +303,15 @@ def _train_stacked(cfgs: list, gdir: str, log) -> list:
             end(i, s, reached, result)
             stopped = True
       if saves or stopped:
-        ckpts.save(s, state, data_state())
+        ckpts.save(s, group_state(), data_state())
         saved = s
       if not any(active):  # every cell stopped early or failed before the last step
         break
+      shrink()
     if pending is not None:
       flush(pending)
     if s > saved:  # the cells ended by non-finite steps: keep that, so that a relaunch does not train them again
-      ckpts.save(s, state, data_state())
+      ckpts.save(s, group_state(), data_state())
     if any(active):  # resumed at the last step: nothing left to train
       for i, result in run_eval(last).items():
         end(i, last, False, result)
