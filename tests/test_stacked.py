@@ -94,25 +94,31 @@ def test_batches_of_different_lengths_are_padded_without_changing_the_losses(tmp
   _same_as_alone(tmp_path, cells, *mixture, steps=6, evals=(6,))
 
 
-def test_an_interrupted_group_resumes_exactly_and_a_finished_one_trains_nothing(tmp_path, monkeypatch):
-  cells = [(0, 3e-3), (1, 1e-2)]
-  stacked.train_stacked([_cfg(tmp_path / "full", s, lr) for s, lr in cells], log=QUIET)
-  cfgs = [_cfg(tmp_path / "crashed", s, lr) for s, lr in cells]
-
+def _killed_at(monkeypatch, cfgs, at: int):
+  """Trains `cfgs` stacked until the first metrics of step `at` are written, where the run dies (an exception
+  out of the writer, as a crash between two checkpoints)."""
   write = metrics.MetricWriter.write
 
   class Killed(Exception):
     pass
 
-  def killed_at_step_10(self, step, prefix, values):
-    if step == 10:
+  def killed(self, step, prefix, values):
+    if step == at:
       raise Killed
     write(self, step, prefix, values)
 
-  monkeypatch.setattr(metrics.MetricWriter, "write", killed_at_step_10)
+  monkeypatch.setattr(metrics.MetricWriter, "write", killed)
   with pytest.raises(Killed):
     stacked.train_stacked(cfgs, log=QUIET)
   monkeypatch.setattr(metrics.MetricWriter, "write", write)
+
+
+def test_an_interrupted_group_resumes_exactly_and_a_finished_one_trains_nothing(tmp_path, monkeypatch):
+  cells = [(0, 3e-3), (1, 1e-2)]
+  stacked.train_stacked([_cfg(tmp_path / "full", s, lr) for s, lr in cells], log=QUIET)
+  cfgs = [_cfg(tmp_path / "crashed", s, lr) for s, lr in cells]
+
+  _killed_at(monkeypatch, cfgs, 10)
   assert not any(os.path.exists(os.path.join(c.run_dir, "summary.json")) for c in cfgs)
   ckdir = os.path.join(stacked.group_dir(cfgs), "checkpoints")
   assert sorted(int(d) for d in os.listdir(ckdir) if d.isdigit()) == [4, 8]
@@ -164,20 +170,7 @@ def test_a_shrunk_group_resumes_exactly(tmp_path, monkeypatch):
   stacked.train_stacked(full, log=QUIET)
   assert _summary(full[0])["steps"] <= 8
   cfgs = [_cfg(tmp_path / "crashed", s, lr, "train.early_stop=0.1") for s, lr in cells]
-  write = metrics.MetricWriter.write
-
-  class Killed(Exception):
-    pass
-
-  def killed_at_step_14(self, step, prefix, values):
-    if step == 14:
-      raise Killed
-    write(self, step, prefix, values)
-
-  monkeypatch.setattr(metrics.MetricWriter, "write", killed_at_step_14)
-  with pytest.raises(Killed):
-    stacked.train_stacked(cfgs, log=QUIET)
-  monkeypatch.setattr(metrics.MetricWriter, "write", write)
+  _killed_at(monkeypatch, cfgs, 14)
   lines = []
   stacked.train_stacked(cfgs, log=lines.append)
   assert "resumed 2 stacked cells from step 12" in "\n".join(lines)
