@@ -88,7 +88,8 @@ def get_config(size="full"):
   c.train.progress_bar = False
   # The head and the loss at the P query positions of a row only: the same loss and gradients, a T / P-th of the
   # head's work and logits (XLA's estimate on CPU: 7.1 -> 1.3 GiB for a (256, 16) cell at batch 256;
-  # results/benchmarks/cpu_2026-12-02/supervised_head.txt). The d_model-128 grid's records were trained before it, with the head everywhere.
+  # results/benchmarks/cpu_2026-12-02/supervised_head.txt). The d_model-128 grid's records were trained before it,
+  # with the head everywhere.
   c.train.supervised_head = True
   c.sweep.models = {"attention": base.mixer("attention"), "gated_deltanet": base.mixer("gated_deltanet")}
   c.sweep.settings = {f"T{T}_P{P}_d{d}": setting(T, P, B, d) for T, P, B in SETTINGS for d in widths}

@@ -225,7 +225,8 @@ def test_kernels_lower_to_triton():
 def test_fused_output_kernel_lowers_to_triton(monkeypatch, beta_kind):
   """With FUSED_OUTPUT the forward-only call lowers to the fused kernel for CUDA (bfloat16, C = 64, K = V = 128,
   two value blocks; per-value-channel beta: its solve over four blocks of rows); the differentiated call to the
-  unfused forward and the backward kernel (BWD_STATES' where it applies). (FUSED_LOCAL off: compiled, the chunk-local kernel would be a fourth.)"""
+  unfused forward and the backward kernel (BWD_STATES' where it applies). (FUSED_LOCAL off: compiled, the
+  chunk-local kernel would be a fourth.)"""
   monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", True)
   monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", False)
   x, _ = bfloat16_inputs(make_inputs(30, 1, 128, 1, 2, 128, 128, "head", beta_kind))

@@ -35,8 +35,9 @@ QUIET = lambda *a: None
 
 def _cfg(root, seed, lr, *overrides):
   name = f"s{seed}_lr{lr:g}"
-  return resolve(os.path.join(ROOT, "configs", "quickstart.py"), [*TINY, f"seed={seed}", f"train.learning_rate={lr}", f"name={name}",
-                          f"workdir={os.path.join(str(root), 'runs', name)}", *overrides])
+  return resolve(os.path.join(ROOT, "configs", "quickstart.py"),
+                 [*TINY, f"seed={seed}", f"train.learning_rate={lr}", f"name={name}",
+                  f"workdir={os.path.join(str(root), 'runs', name)}", *overrides])
 
 
 def _records(cfg):
