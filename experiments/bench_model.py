@@ -66,6 +66,8 @@ def parse_args(argv=None):
                  help="a module switch under gdn for gdn's side, VALUE off, on or auto, e.g. "
                       "ops.pallas_chunk.BWD_STATES=on (repeatable)")
   p.add_argument("--batch", type=int, default=8, help="sequences a step")
+  p.add_argument("--token-file", metavar="PATH",
+                 help="take the batch from this token file (data.text.token_dtype) instead of random tokens")
   p.add_argument("--seq-len", type=int, default=4096)
   p.add_argument("--warmup", type=int, default=2, help="untimed steps, the first of which compiles")
   p.add_argument("--steps", type=int, default=5, help="timed steps")
@@ -101,10 +103,22 @@ def experiment_config(a, *extra):
   return resolve(spec, [f"data.text.seq_len={a.seq_len}", *a.override, *extra])
 
 
-def tokens(a, vocab: int):
+def tokens(a, vocab: int, dtype: str = "uint16"):
+  """The step's batch: uniform random tokens, or with --token-file the file's first batch x (seq_len + 1) tokens
+  (`dtype`: the config's data.text.token_dtype). Real text repeats some tokens far more than others, which
+  the embedding gradient's cost can depend on (gdn.layers.embed); random tokens hide that."""
   import numpy as np
 
-  return np.random.default_rng(0).integers(0, vocab, size=(a.batch, a.seq_len + 1)).astype(np.int32)
+  if not a.token_file:
+    return np.random.default_rng(0).integers(0, vocab, size=(a.batch, a.seq_len + 1)).astype(np.int32)
+  from gdn.data.text import token_stream
+
+  stream = token_stream(a.token_file, dtype, "train_file", vocab)  # the file a training run would read
+  n = a.batch * (a.seq_len + 1)
+  if len(stream) < n:
+    raise SystemExit(f"--token-file {a.token_file} holds {len(stream)} tokens, fewer than the {n} of one batch "
+                     f"({a.batch} x (--seq-len {a.seq_len} + 1))")
+  return np.asarray(stream[:n], np.int32).reshape(a.batch, a.seq_len + 1)
 
 
 def run_gdn(cfg, toks, a) -> dict:
@@ -151,6 +165,7 @@ def gdn_profile_in_child(a) -> dict:
   argv = ["--fla", "off", "--config", a.config, "--batch", str(a.batch), "--seq-len", str(a.seq_len),
           "--warmup", str(a.warmup), "--steps", str(a.steps), "--profile", str(a.profile)]
   argv += [f"--override={o}" for o in a.override] + [f"--switch={w}" for w in a.switch]
+  argv += ["--token-file", a.token_file] if a.token_file else []
   return jax_profile_in_child("experiments.bench_model", argv)[0]
 
 
@@ -281,7 +296,7 @@ def measure(a) -> list:
   peak_tflops = a.peak_tflops or H200_BF16_TFLOPS
   cfg = experiment_config(a)
   m = cfg.model
-  toks = tokens(a, m.vocab_size)
+  toks = tokens(a, m.vocab_size, cfg.data.text.token_dtype)
   dev = jax.devices()[0]
   n_tok = a.batch * a.seq_len
   n_layers = "each row's" if a.depths else m.num_layers

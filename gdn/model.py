@@ -22,6 +22,7 @@ from flax import nnx
 from gdn.config import ModelConfig
 from gdn.layers.attention import Attention
 from gdn.layers.conv import ShortConv
+from gdn.layers.embed import embed_lookup
 from gdn.layers.fused import FusedLinear
 from gdn.layers.mlp import SwiGLU, hidden_size
 from gdn.layers.moe import Experts, MoE, load_balancing_loss
@@ -190,8 +191,8 @@ class LanguageModel(nnx.Module):
   def _run(self, tokens, segment_ids, cache, context_axis=None, router_stats=None, head: bool = True):
     """router_stats: None, or a list to which MoE layers append their routing statistics (MoE layers are
     unrolled without remat, which ModelConfig checks, so the statistics never leave a scan or a checkpoint)."""
-    with jax.named_scope("embed"):
-      x = self.embed(tokens)
+    with jax.named_scope("embed"):  # nnx.Embed's lookup, with a gradient that ignores repeats (gdn.layers.embed)
+      x = embed_lookup(self.embed.embedding[...], tokens, self.embed.dtype)
     new_cache = []
     if self.cfg.scan_layers:
       x, c = self._scan(x, segment_ids, None if cache is None else cache[0], context_axis)

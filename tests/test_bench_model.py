@@ -74,3 +74,28 @@ def test_flop_count():
   # Untied head: 8 x 100; per layer q, k, v, o 4 x 64, SwiGLU 3 x 8 x 24, two norms of 8; the final norm 8.
   assert f["matmul"] == 6 * (800 + 2 * (256 + 576 + 16) + 8)
   assert f["mixing"] == 2 * 3 * 2 * 10 * 2 * 4
+
+
+def test_token_file_batch_and_embed_switch(tmp_path, capsys, fast_compile):
+  """--token-file takes the batch from a token file (its first batch x (seq_len + 1) tokens, checked against
+  the vocabulary); --switch layers.embed.ONEHOT_GRAD=on gives the same loss as the scatter-add gradient."""
+  from gdn.layers import embed
+
+  path = tmp_path / "tokens.bin"
+  toks = (np.arange(2 * 17 * 3) % 7).astype(np.uint16)  # in range, heavy repeats
+  toks.tofile(path)
+  a = bench_model.parse_args(TINY + ["--token-file", str(path)])
+  np.testing.assert_array_equal(bench_model.tokens(a, 64, "uint16"), toks[:34].reshape(2, 17))
+  losses = []
+  for setting in ("off", "on"):
+    rows = bench_model.main(TINY + ["--override", "model.num_layers=1", "--token-file", str(path),
+                                    "--switch", f"layers.embed.ONEHOT_GRAD={setting}"])
+    losses.append(rows[0]["loss"])
+  assert embed.ONEHOT_GRAD is None  # put back
+  np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+  np.arange(10, dtype=np.uint16).tofile(path)
+  with pytest.raises(SystemExit, match="fewer than the 34 of one batch"):
+    bench_model.tokens(a, 64, "uint16")
+  (np.arange(40, dtype=np.uint16) + 60).tofile(tmp_path / "wide.bin")
+  with pytest.raises(ValueError):
+    bench_model.tokens(bench_model.parse_args(TINY + ["--token-file", str(tmp_path / "wide.bin")]), 64, "uint16")
