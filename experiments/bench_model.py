@@ -103,7 +103,7 @@ def experiment_config(a, *extra):
   return resolve(spec, [f"data.text.seq_len={a.seq_len}", *a.override, *extra])
 
 
-def tokens(a, vocab: int, dtype: str = "uint16"):
+def tokens(a, vocab: int, dtype: str):
   """The step's batch: uniform random tokens, or with --token-file the file's first batch x (seq_len + 1) tokens
   (`dtype`: the config's data.text.token_dtype). Real text repeats some tokens far more than others, which
   the embedding gradient's cost can depend on (gdn.layers.embed); random tokens hide that."""

@@ -54,6 +54,7 @@ def test_out_of_range_tokens_read_nan_and_add_nothing(monkeypatch):
   o1, g1 = _grad(table, tokens, jnp.float32, ct, True, monkeypatch)
   o0, g0 = _grad(table, tokens, jnp.float32, ct, False, monkeypatch)
   np.testing.assert_array_equal(np.asarray(o1), np.asarray(o0))
+  assert np.isnan(np.asarray(o1)[0, [1, 3]]).all() and np.isfinite(np.asarray(o1)[0, [0, 2]]).all()
   np.testing.assert_array_equal(np.asarray(g1), np.asarray(g0))
   np.testing.assert_array_equal(np.asarray(g1)[:, 0], [1.0, 1.0, 0.0, 0.0])
 
