@@ -105,8 +105,8 @@ def experiment_config(a, *extra):
 
 def tokens(a, vocab: int, dtype: str):
   """The step's batch: uniform random tokens, or with --token-file the file's first batch x (seq_len + 1) tokens
-  (`dtype`: the config's data.text.token_dtype). Real text repeats some tokens far more than others, which
-  the embedding gradient's cost can depend on (gdn.layers.embed); random tokens hide that."""
+  (`dtype`: the config's data.text.token_dtype): real text, whose bytes repeat far more than random tokens'
+  (a fifth of a Python corpus is spaces), for operations whose cost could depend on that (gdn.layers.embed)."""
   import numpy as np
 
   if not a.token_file:

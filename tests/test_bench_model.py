@@ -91,7 +91,7 @@ def test_token_file_batch_and_embed_switch(tmp_path, capsys, fast_compile):
     rows = bench_model.main(TINY + ["--override", "model.num_layers=1", "--token-file", str(path),
                                     "--switch", f"layers.embed.ONEHOT_GRAD={setting}"])
     losses.append(rows[0]["loss"])
-  assert embed.ONEHOT_GRAD is None  # put back
+  assert embed.ONEHOT_GRAD is False  # put back
   np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
   np.arange(10, dtype=np.uint16).tofile(path)
   with pytest.raises(SystemExit, match="fewer than the 34 of one batch"):

@@ -94,6 +94,19 @@ def test_bfloat16_inputs():
   assert_close(run_pallas(x_bf), oracle(x_ref), 2e-2, "bf16 pallas")
 
 
+@pytest.mark.parametrize("g_kind, beta_kind", [("none", "head"), ("none", "none"), ("head", "none")])
+def test_bfloat16_gradients_without_a_gate_or_beta(g_kind, beta_kind):
+  """Without a decay gate k itself is k_end, without beta v itself is U0: 16-bit operands that reach the kernels
+  uncast, whose cotangents must come back in their own dtype to be added to their other uses' (the naive delta
+  rule's bfloat16 gradient failed with "lax.add requires arguments to have the same dtypes"). Every gradient in
+  its input's dtype, and against the float64 oracle."""
+  x_bf, x_ref = bfloat16_inputs(make_inputs(23, 2, 40, 2, 2, 16, 16, g_kind, beta_kind))
+  diff, seg, co = vjp_inputs(x_bf)
+  _, _, grads = _fwd_bwd(tuple(sorted(diff)), 16, None, None)(diff, seg, co)
+  assert {n: g.dtype for n, g in grads.items()} == {n: a.dtype for n, a in diff.items()}
+  assert_close(run_pallas(x_bf), oracle(x_ref), 2e-2, f"bf16 pallas g={g_kind} beta={beta_kind}")
+
+
 @pytest.mark.parametrize("g_kind, beta_kind, C, block_v", [CASES[1], CASES[3]])
 def test_backward_states_against_oracle(monkeypatch, g_kind, beta_kind, C, block_v):
   """The backward kernel that BWD_STATES does not pick (the default run is tested above): with BWD_STATES on it

@@ -1,19 +1,18 @@
-"""The token embedding's lookup, with a gradient that does not depend on how often a token repeats.
+"""The token embedding's lookup: a gather whose table gradient sums in float32, by scatter-add or one-hot matmul.
 
 `jnp.take(table, tokens, axis=0)` differentiates to a scatter-add of every position's cotangent into its token's
-row. On a GPU that scatter is atomic adds, and they serialise where many positions hold the same token, as text's
-runs of one byte (indentation, spaces) do: the same program's step took 103 ms on the corpus' bytes against
-28.5 ms on uniform random tokens (one H200, 6 layers at d_model 512, 64 x 512 bytes a step; docs/benchmarks.md,
-"The language-model grids' step"), and the scatter is its one operation whose cost depends on the tokens.
-With a small vocabulary the table's gradient is cheaper as a matmul, one_hot(tokens)^T @ cotangent ([V, N] x
-[N, D], float32 accumulation), whose time does not depend on the tokens.
+row. `embed_lookup` gathers in the table's dtype (float32) and casts after, so that those sums run in float32
+whatever the compute dtype (casting the table first would add bfloat16 cotangents in bfloat16, and a byte-level
+corpus sends a fifth of all positions to the one row of the space byte).
 
-`embed_lookup` takes that matmul on accelerators when the table has at most `ONEHOT_GRAD_MAX_VOCAB` rows (the
-forward stays a gather); on the CPU, which adds without atomics, and for larger vocabularies (where the matmul's
-2 N V D FLOP outgrow the scatter) it is `jnp.take`. `ONEHOT_GRAD` forces either (`bench_model --switch
-layers.embed.ONEHOT_GRAD=off`, `=on`). Both sum the table's gradient in float32 (the table's dtype), whatever the
-compute dtype, so values and gradients are the same either way up to summation order
-(tests/test_embed.py).
+`ONEHOT_GRAD = True` computes the table's gradient instead as one_hot(tokens)^T @ cotangent ([V, N] x [N, D],
+float32 accumulation), whose time cannot depend on how often a token repeats. It was built on the suspicion that
+the GPU's atomic scatter serialises on text's repeated bytes; measured, it does not: on one H200 the language-model
+ablations' step (6 layers, d_model 512, 64 x 512 bytes) takes 28.7 ms with the scatter and 29.8 ms with the matmul
+on a batch of the corpus' bytes, 29.2 / 29.1 ms on uniform random tokens
+(results/benchmarks/h200_2026-12-02/embed_probe.txt). The scatter stays the default; the switch stays for other
+vocabularies and devices (`bench_model --switch layers.embed.ONEHOT_GRAD=on` times it). Both give the same values
+and gradients up to summation order (tests/test_embed.py).
 """
 
 from __future__ import annotations
@@ -24,19 +23,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# A module switch like gdn.ops' switches, read at trace time: None (auto) takes the one-hot matmul on every backend
-# but the CPU for tables of at most ONEHOT_GRAD_MAX_VOCAB rows; True takes it always, False never.
-ONEHOT_GRAD = None
-ONEHOT_GRAD_MAX_VOCAB = 1024
+# A module switch like gdn.ops' switches, read at trace time: False (the default) differentiates the gather by its
+# scatter-add, True by the one-hot matmul.
+ONEHOT_GRAD = False
 
 
-def uses_onehot_grad(vocab: int) -> bool:
-  """Whether `embed_lookup` differentiates a `vocab`-row table by the one-hot matmul here."""
-  if ONEHOT_GRAD not in (None, True, False):
-    raise ValueError(f"gdn.layers.embed.ONEHOT_GRAD must be None (auto), True or False, got {ONEHOT_GRAD!r}")
-  if ONEHOT_GRAD is not None:
-    return ONEHOT_GRAD
-  return vocab <= ONEHOT_GRAD_MAX_VOCAB and jax.default_backend() != "cpu"
+def uses_onehot_grad() -> bool:
+  """Whether `embed_lookup` differentiates the table by the one-hot matmul."""
+  if ONEHOT_GRAD not in (True, False):
+    raise ValueError(f"gdn.layers.embed.ONEHOT_GRAD must be True or False, got {ONEHOT_GRAD!r}")
+  return ONEHOT_GRAD
 
 
 def embed_lookup(table, tokens, dtype=None):
@@ -46,7 +42,7 @@ def embed_lookup(table, tokens, dtype=None):
   if not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
   dtype = table.dtype if dtype is None else jnp.dtype(dtype)
-  if uses_onehot_grad(table.shape[0]):
+  if uses_onehot_grad():
     return _take_onehot_grad(table, tokens, dtype)
   # Gathered in the table's dtype and cast after (the same values as casting first), so that the gradient's
   # scatter-add sums in the table's dtype (float32) rather than the compute dtype.

@@ -645,8 +645,29 @@ def _pad(x, *target, dtype):
   trailing axes: zero rows of U0, W, k_end, q_dec and P and zero rows/columns of S0 leave the valid part of the
   recurrence and of the output untouched. B and HV stay separate axes, so a batch-sharded caller's sharding
   reaches the kernel ops unchanged."""
-  x = x.astype(dtype)
+  x = _cotangent_in_own_dtype(x) if x.dtype == dtype else x.astype(dtype)
   return jnp.pad(x, [(0, 0)] * (x.ndim - len(target)) + [(0, t - s) for s, t in zip(x.shape[-len(target):], target)])
+
+
+@jax.custom_vjp
+def _cotangent_in_own_dtype(x):
+  """x, whose cotangent comes back in x's dtype. The kernels' VJPs return float32 cotangents for their 16-bit
+  operands; where an operand was made in float32 and cast (k * exp(decay), the solve's W and U), the cast's
+  transpose takes them as they are, but an operand that already is the input's 16-bit array (k itself as k_end
+  without a decay gate, v as U0 without beta) would hand a float32 cotangent to a 16-bit value, which autodiff
+  cannot add to that value's other cotangents (the naive delta rule's gradient failed so in bfloat16)."""
+  return x
+
+
+def _cotangent_fwd(x):
+  return x, jnp.zeros((0,), x.dtype)
+
+
+def _cotangent_bwd(res, ct):
+  return (ct.astype(res.dtype),)
+
+
+_cotangent_in_own_dtype.defvjp(_cotangent_fwd, _cotangent_bwd)
 
 
 def _operands(loc: intra_chunk.Local, S0, prec, block_v: int, interpret: Optional[bool], output=None, beta=None):
