@@ -22,7 +22,7 @@ QK_NORMS = ("none", "l2")
 LAYER_KINDS = {"R": "recurrent", "M": "mamba2", "A": "attention", "W": "sliding_window"}
 MLP_KINDS = {"D": "dense", "M": "moe"}
 REMATS = ("none", "dots", "dots_states", "full")
-MIXER_REMATS = ("none", "op", "layer")
+MIXER_REMATS = ("none", "features", "op", "layer")
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -67,6 +67,7 @@ class RecurrentConfig:
   method: str = "auto"
   chunk_size: int = 64
   # What the mixer's backward keeps (training without a cache; `RecurrentMixer`): "none" every intermediate;
+  # "features" none of the short conv's, its SiLU's and the q/k norm's (they run again from the projections);
   # "op" only the op's inputs q, k, v, g, beta (its chunk-local work and states run again in the backward);
   # "layer" only the projections of x: short conv, SiLU, l2norm, gates, the op and the output norm run again.
   remat: str = "none"

@@ -43,10 +43,10 @@ def test_gradients_equal_without_remat(method, T, chunk_size):
   float32 rounding; the Pallas path runs its kernels in interpret mode on CPU."""
   x = jax.random.normal(jax.random.key(1), (2, T, D), jnp.float32)
   grads = {}
-  for remat in ("none", "op", "layer"):
+  for remat in ("none", "features", "op", "layer"):
     loss, params = _layer_loss(method, remat, chunk_size)
     grads[remat] = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
-  for remat in ("op", "layer"):
+  for remat in ("features", "op", "layer"):
     _close(grads[remat], grads["none"], 1e-5)
 
 
@@ -56,16 +56,19 @@ def test_kept_bytes_drop():
   not applied."""
   x = jnp.zeros((2, 128, D), jnp.bfloat16)
   kept = {}
-  for remat in ("none", "op", "layer"):
+  for remat in ("none", "features", "op", "layer"):
     cfg = recurrent_preset("gated_deltanet", num_heads=H, head_dim=K, method="chunk", remat=remat)
     graphdef, params, rest = nnx.split(RecurrentMixer(cfg, D, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), nnx.Param,
                                        ...)
     loss = lambda params, x: jnp.sum(nnx.merge(graphdef, params, rest)(x)[0].astype(jnp.float32))
     kept[remat] = residual_bytes(saved_residuals(loss, params, x))
   assert kept["op"] < 0.7 * kept["none"], kept
+  # "features" drops the short conv's output, its SiLU's input and the q/k norm's inputs: at least the conv's
+  # output [B, T, 2 H K + H K] bf16 less than "none" (the op still keeps its own q, k, v).
+  tokens = x.shape[0] * x.shape[1]
+  assert kept["features"] <= kept["none"] - tokens * 3 * H * K * 2, kept
   assert kept["layer"] < 0.1 * kept["none"], kept
   # "layer" keeps the four projections of x [B, T, 2 H K] bf16 and the op output, plus bf16 copies of weights.
-  tokens = x.shape[0] * x.shape[1]
   assert kept["layer"] <= tokens * 5 * H * K * 2 + 6 * D * H * K * 2 + 4096, kept
 
 

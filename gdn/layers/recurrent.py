@@ -195,22 +195,13 @@ class RecurrentMixer(nnx.Module):
     """From the projections p of x to the normed, gated op output o [B, T, HV, V]: (o, conv state, S)."""
     cfg = self.cfg
     H, HV, K, V = cfg.num_heads, cfg.HV, cfg.head_dim, cfg.V
-    q, k, v = p["q_proj"], p["k_proj"], p["v_proj"]
-    conv_state = None
-    if self.conv is not None:
-      with jax.named_scope("short_conv"):
-        qkv, conv_state = self.conv(jnp.concatenate([q, k, v], axis=-1), segment_ids=segment_ids,
-                                    state=None if cache is None else cache.conv, context_axis=context_axis,
-                                    activation="silu")
-        q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
-    elif cfg.silu_without_conv:
-      q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
-    q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
-    with jax.named_scope("qk_norm"):
-      if cfg.qk_norm == "l2":
-        q, k = l2norm(q), l2norm(k)
-      # Divided here, as the seed does, so the op runs with scale 1 and the seed preset is reproduced exactly.
-      q = q / math.sqrt(K)
+    features = functools.partial(self._features, B=B, T=T, segment_ids=segment_ids, cache=cache,
+                                 context_axis=context_axis)
+    if cfg.remat == "features" and cache is None:
+      # Only the projections of x for q, k, v are kept; the short conv, its SiLU and the q/k norm run again in
+      # the backward. Their outputs are still kept where the op keeps its inputs.
+      features = jax.checkpoint(features, policy=jax.checkpoint_policies.nothing_saveable)
+    q, k, v, conv_state = features(p["q_proj"], p["k_proj"], p["v_proj"])
 
     with jax.named_scope("gates"):
       g = self._decay(p, B, T)
@@ -251,6 +242,29 @@ class RecurrentMixer(nnx.Module):
         if gate is not None:
           o = (o.astype(jnp.float32) * ACTIVATIONS[cfg.output_gate](gate.astype(jnp.float32))).astype(o.dtype)
     return o, conv_state, S
+
+  def _features(self, q, k, v, *, B, T, segment_ids, cache, context_axis):
+    """The op's q [B, T, H, K] (normed, scaled by K^-1/2), k [B, T, H, K] and v [B, T, HV, V] from the
+    projections of x, through the short conv and its SiLU (or the SiLU alone) and the q/k norm; and the conv's
+    state (None without a conv)."""
+    cfg = self.cfg
+    H, HV, K, V = cfg.num_heads, cfg.HV, cfg.head_dim, cfg.V
+    conv_state = None
+    if self.conv is not None:
+      with jax.named_scope("short_conv"):
+        qkv, conv_state = self.conv(jnp.concatenate([q, k, v], axis=-1), segment_ids=segment_ids,
+                                    state=None if cache is None else cache.conv, context_axis=context_axis,
+                                    activation="silu")
+        q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
+    elif cfg.silu_without_conv:
+      q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
+    q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
+    with jax.named_scope("qk_norm"):
+      if cfg.qk_norm == "l2":
+        q, k = l2norm(q), l2norm(k)
+      # Divided here, as the seed does, so the op runs with scale 1 and the seed preset is reproduced exactly.
+      q = q / math.sqrt(K)
+    return q, k, v, conv_state
 
   def _output_gate(self, p):
     """The output gate's pre-activation [B, T, HV*V] from the projections p of x, full rank or through
