@@ -126,9 +126,25 @@ def test_a_run_records_the_corpus_digests(small_corpus, tmp_path):
 def test_published_table_marks_agreement_ties_and_disagreement():
   from gdn.sweep import published  # noqa: PLC0415
   spec = dict(source="S", metric="ppl", reference="a", values=dict(a=10.0, b=11.0, c=9.0, d=10.01))
-  ours = dict(a=(1.00, 0.01, 3), b=(1.10, 0.01, 3), c=(1.10, 0.01, 3), d=(1.005, 0.01, 3))
+  around = lambda m: [m - 0.01, m, m + 0.01]  # seeds with a standard deviation of 0.01 (ddof 1)
+  ours = dict(a=around(1.00), b=around(1.10), c=around(1.10), d=around(1.005))
   rows = {line.split(" | ")[0][2:]: line for line in published.table(spec, ours, "bits_per_byte")[4:]}
   assert rows["a"].endswith("(reference) |")
   assert "worse" in rows["b"] and rows["b"].endswith("| agrees |")
   assert "better" in rows["c"] and rows["c"].endswith("| **disagrees** |")
   assert "≈" in rows["d"] and rows["d"].endswith("| agrees |")  # 0.1% there, within two standard errors here
+
+
+def test_published_table_gives_a_one_seed_model_the_pooled_noise_of_the_others():
+  """A model with one seed is compared with the noise level pooled over the models with several (ddof 1):
+  +0.01 against a per-seed spread of 0.01 is a tie, +0.05 a direction; with no model at two seeds there is no
+  noise estimate and the table says so."""
+  from gdn.sweep import published  # noqa: PLC0415
+  spec = dict(source="S", metric="ppl", reference="a", values=dict(a=10.0, b=11.0, c=11.0))
+  ours = dict(a=[0.99, 1.00, 1.01], b=[1.01], c=[1.05])
+  assert published.pooled_std(ours) == pytest.approx((0.01, 2))
+  rows = {line.split(" | ")[0][2:]: line for line in published.table(spec, ours, "bits_per_byte")[4:]}
+  assert "+0.010 ≈" in rows["b"] and rows["b"].endswith("| tie on one side (one seed) |")
+  assert "+0.050 worse" in rows["c"] and rows["c"].endswith("| agrees (one seed) |")
+  lines = published.table(spec, dict(a=[1.0], b=[1.01], c=[1.05]), "bits_per_byte")
+  assert "no noise estimate" in lines[0] and lines[-1].endswith("| agrees (no noise estimate) |")

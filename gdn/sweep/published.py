@@ -15,23 +15,49 @@ def _direction(delta: float, tie: float) -> str:
   return "≈" if abs(delta) <= tie else ("worse" if delta > 0 else "better")
 
 
+def pooled_std(ours: dict) -> tuple:
+  """(s, dof): the per-seed standard deviation pooled over every model with two or more seeds (ddof 1), and its
+  degrees of freedom; (nan, 0) when no model has two. ours: model -> the per-seed values."""
+  ss, dof = 0.0, 0
+  for v in ours.values():
+    v = [x for x in v if not math.isnan(x)]
+    if len(v) > 1:
+      m = sum(v) / len(v)
+      ss += sum((x - m) ** 2 for x in v)
+      dof += len(v) - 1
+  return (math.sqrt(ss / dof), dof) if dof else (math.nan, 0)
+
+
 def table(spec, ours: dict, metric: str) -> list:
-  """Markdown lines. ours: model -> (mean, std, seeds) of `metric`. Our change is "≈" when it is within two
-  standard errors of a difference of means over seeds (std / sqrt(seeds) each), the paper's when within
-  PAPER_TIE of its reference."""
+  """Markdown lines. ours: model -> the per-seed values of `metric` (each seed at its best rate). Our change is
+  "≈" when it is within two standard errors of the difference of the two seed means, with one per-seed
+  standard deviation pooled over every model of the table (`pooled_std`: the runs of one protocol share one
+  noise level, so a model run with one seed still gets an estimate); the paper's when within PAPER_TIE of its
+  reference."""
   ref, pub = spec["reference"], spec["values"]
+  sd, dof = pooled_std(ours)
+  noise = (f"ours: two standard errors of the difference of seed means, the per-seed standard deviation "
+           f"{sd:.4f} pooled over the models with two or more seeds ({dof} degrees of freedom)" if dof else
+           "ours: no model has two seeds yet, so no noise estimate")
   lines = [f"{spec['source']}. Published metric: {spec['metric']}; ours: `{metric}`; both lower is better. "
-           f"Change from `{ref}`; ≈: within the noise (paper: {PAPER_TIE:.1%} of the reference; ours: two standard "
-           f"errors over seeds).", "",
+           f"Change from `{ref}`; ≈: within the noise (paper: {PAPER_TIE:.1%} of the reference; {noise}).", "",
            "| model | published | published change | ours | our change | agree? |", "|---|---|---|---|---|---|"]
-  r_mean, r_std, r_n = ours.get(ref, (math.nan, math.nan, 0))
+
+  def stats(model):
+    v = [x for x in ours.get(model, ()) if not math.isnan(x)]
+    if not v:
+      return math.nan, math.nan, 0
+    m = sum(v) / len(v)
+    return m, math.sqrt(sum((x - m) ** 2 for x in v) / len(v)), len(v)
+
+  r_mean, _, r_n = stats(ref)
   for model in [ref] + [m for m in pub if m != ref]:
     value = pub[model]
     p_delta = value - pub[ref]
     p_dir = _direction(p_delta, PAPER_TIE * abs(pub[ref]))
-    mean, std, n = ours.get(model, (math.nan, math.nan, 0))
+    mean, std, n = stats(model)
     o_delta = mean - r_mean
-    se = math.sqrt(std ** 2 / max(n, 1) + r_std ** 2 / max(r_n, 1)) if n > 1 and r_n > 1 else 0.0
+    se = sd * math.sqrt(1 / n + 1 / r_n) if dof and n and r_n else 0.0
     o_dir = _direction(o_delta, 2 * se)
     if model == ref:
       agree = "(reference)"
@@ -41,8 +67,11 @@ def table(spec, ours: dict, metric: str) -> list:
       agree = "agrees" if o_dir == p_dir else "tie on one side"
     else:
       agree = "agrees" if o_dir == p_dir else "**disagrees**"
-    if model != ref and agree != "not run" and not se:
-      agree += " (one seed: no noise estimate)"
+    if model != ref and agree != "not run":
+      if not se:
+        agree += " (no noise estimate)"
+      elif min(n, r_n) == 1:
+        agree += " (one seed)"
     ours_text = "–" if math.isnan(mean) else f"{mean:.3f} ± {std:.3f} (n={n})"
     changes = ("", "") if model == ref else (f"{p_delta:+.2f} {p_dir}",
                                               "" if math.isnan(o_delta) else f"{o_delta:+.3f} {o_dir}")

@@ -195,7 +195,10 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
 
   lines += _by_model_and_setting(models, settings, best_rates)
   for spec in sweep.published.values():  # the first setting's numbers beside each published table
-    ours = {m: summary[(m, settings[0])][:3] for m in models if (m, settings[0]) in summary}
+    ours = {}
+    for r in best:
+      if r["setting"] == settings[0]:
+        ours.setdefault(r["model"], []).append(float(np.array(r.get(f"eval/{metric}", np.nan), float)))
     lines += [""] + published.table(spec, ours, metric)
   tc = cells[0].config.train
   if tc.early_stop > 0:
