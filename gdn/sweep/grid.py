@@ -71,15 +71,15 @@ def shard_cells(cells, shard: int = 0, num_shards: int = 1) -> list:
   """This shard's cells. Cells that differ only in the seed or the learning rate compile to the same programs,
   so they stay together: the (model, setting) groups are dealt out in turn, and a shard runs its groups' cells
   one after another, every cell after a group's first finding its programs in the compilation cache."""
-  return [cell for group in _groups(cells)[shard::num_shards] for cell in group]
+  return [cell for group in groups(cells)[shard::num_shards] for cell in group]
 
 
-def _groups(cells) -> list:
+def groups(cells) -> list:
   """The cells of each (model, setting) in turn, in the order they come."""
-  groups = {}
+  out = {}
   for cell in cells:
-    groups.setdefault((cell.model, cell.setting), []).append(cell)
-  return list(groups.values())
+    out.setdefault((cell.model, cell.setting), []).append(cell)
+  return list(out.values())
 
 
 def run_cells(cells, shard: int = 0, num_shards: int = 1, log=print, stack: bool = False,
@@ -112,7 +112,7 @@ def stacks(cells, stack_size: int = 0) -> list:
   unfinished cells in pieces of at most `stack_size` (0: all of them). Finished cells join no new piece, so a
   group resumed with most of its cells done computes only the rest."""
   pieces = []
-  for group in _groups(cells):
+  for group in groups(cells):
     by_id = {c.id: c for c in group}
     taken = set()
     for ids in _checkpointed_pieces(group):

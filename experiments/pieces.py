@@ -1,0 +1,206 @@
+"""Run a sweep in pieces that fit a wall-clock budget: `python -m experiments.pieces --config C --jobs next --budget 540`.
+
+For a machine held a few minutes at a time (a GPU call of under ten minutes): a queue of jobs, each one (model,
+setting) group's cells for one seed or for every seed, trained stacked (`gdn-compare --stack`) in a process of
+its own and cut by what the budget has left. A job that would get less than `--min-left` seconds is not started
+(a job cut short keeps only its checkpoints, and those only while the machine keeps its results/). Then the
+report is written, which writes each finished cell's record (results/<name>/records/<cell>/), and with
+`--archive` the records are packed into one file to carry back; unpacked beside the code and committed, they
+are what later pieces skip.
+
+Jobs (the groups in `gdn-compare --list`'s order, as `--shard g/n` counts them):
+  g:s      group g (its index, or its model's name; "model/setting" where a config has several settings), seed s
+  g:all    every seed of group g
+  next     every (group, seed) with a cell left to train, seed by seed: each group's seed 0, then each one's seed 1, ...
+
+Each job's output goes to results/<name>/runs/pieces/; `--log FILE` appends, per job, its command, the machine,
+its exit code (124: cut by the budget) and seconds, and each finished cell's last evaluation. Overrides
+(`--config.key=value`) go to every job, and the progress bar is off in them (the log keeps the lines).
+
+  python -m experiments.pieces --config configs/lm_ablations.py --jobs next --budget 540 --min-left 200 \\
+      --log results/lm_ablations/card_log.txt --archive "$OUT/records.tgz"
+  python -m experiments.pieces --config configs/lm_hybrids.py --jobs gdn:0 gdn_h1:0 --budget 540 --dry-run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+
+from gdn.sweep import done, expand, groups
+from gdn.train import ConfigError
+from gdn.train.config_file import apply_overrides, load, split_argv
+
+CUT = 124  # the exit code of a job the budget cut, as `timeout` gives it
+
+
+def group_labels(cells) -> list:
+  """Each group's name: its model's, or "model/setting" where the sweep has several settings."""
+  gs = groups(cells)
+  several = len({g[0].setting for g in gs}) > 1
+  return [f"{g[0].model}/{g[0].setting}" if several else g[0].model for g in gs]
+
+
+def plan(cells, jobs) -> list:
+  """(group index, seed or None for every seed) per job, in order; "next" expands to every (group, seed) with a
+  cell left to train, seed by seed. Jobs with nothing left to train are dropped."""
+  gs, labels = groups(cells), group_labels(cells)
+  seeds = list(dict.fromkeys(c.seed for c in cells))
+  out = []
+  for job in jobs:
+    if job == "next":
+      out += [(g, s) for s in seeds for g in range(len(gs)) if any(c.seed == s and not done(c) for c in gs[g])]
+      continue
+    name, sep, seed = job.rpartition(":")
+    if not sep or not name:
+      raise ConfigError(f"a job is g:s, g:all or next, got {job!r}")
+    if name.isdigit() and int(name) < len(gs):
+      g = int(name)
+    elif name in labels:
+      g = labels.index(name)
+    else:
+      raise ConfigError(f"job {job!r}: no group {name!r}; the groups are 0-{len(gs) - 1}: {', '.join(labels)}")
+    if seed == "all":
+      s = None
+    elif seed.lstrip("-").isdigit() and int(seed) in seeds:
+      s = int(seed)
+    else:
+      raise ConfigError(f"job {job!r}: the seed must be one of {seeds} or 'all', got {seed!r}")
+    out.append((g, s))
+  left = [(g, s) for g, s in dict.fromkeys(out) if any(not done(c) for c in gs[g] if s is None or c.seed == s)]
+  return left
+
+
+def job_command(spec: str, overrides, g: int, num_groups: int, seed, stack_size: int) -> list:
+  cmd = [sys.executable, "-m", "experiments.compare", "--config", spec, *(f"--config.{o}" for o in overrides),
+         "--config.train.progress_bar=false"]
+  if seed is not None:
+    cmd.append(f"--config.sweep.seeds=({seed},)")
+  return cmd + ["--stack", "--stack-size", str(stack_size), "--shard", f"{g}/{num_groups}"]
+
+
+def run_job(cmd, timeout: float, log_path: str) -> int:
+  """The job's exit code; CUT when `timeout` seconds ran out (the job's process group is stopped)."""
+  with open(log_path, "w") as f:
+    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+      return proc.wait(timeout=max(timeout, 0))
+    except subprocess.TimeoutExpired:
+      for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, None)):
+        try:
+          os.killpg(proc.pid, sig)
+          proc.wait(timeout=wait)
+          break
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+          continue
+      return CUT
+
+
+def summary_lines(log_path: str, last_step: int) -> list:
+  """What the piece log keeps of a job's output: the stacked programs, the data line, each cell's evaluation at
+  its last step and any error."""
+  keep = re.compile(rf"^\[\d+/\d+\]|^data:|: step {last_step}: |error|Error")
+  with open(log_path, errors="replace") as f:
+    return [line.rstrip() for line in f if keep.search(line)]
+
+
+def machine() -> str:
+  """The accelerators this process would use, in words (nvidia-smi's names), or the CPU."""
+  if shutil.which("nvidia-smi"):
+    try:
+      names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.split("\n")
+      names = [n.strip() for n in names if n.strip()]
+      if names:
+        return ("one " if len(names) == 1 else f"{len(names)} x ") + names[0]
+    except (OSError, subprocess.SubprocessError):
+      pass
+  return f"CPU, {os.cpu_count()} cores"
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  p = argparse.ArgumentParser(prog="python -m experiments.pieces", description=__doc__.split("\n")[0])
+  p.add_argument("--jobs", nargs="+", default=["next"], help="g:s, g:all or next (see above)")
+  p.add_argument("--budget", type=float, required=True, help="seconds for all the jobs, from this command's start")
+  p.add_argument("--min-left", type=float, default=0.0,
+                 help="do not start a job that would get fewer seconds than this")
+  p.add_argument("--reserve", type=float, default=30.0,
+                 help="seconds of the budget kept for the report and the archive after the last job")
+  p.add_argument("--stack-size", type=int, default=3, help="at most this many cells a program (0: a job's all)")
+  p.add_argument("--log", help="append each job's command, exit code, seconds and last evaluations to this file")
+  p.add_argument("--archive", help="pack results/<name>/records/ into this .tgz after the report")
+  p.add_argument("--dry-run", action="store_true", help="print the jobs' commands and exit")
+  try:
+    spec, overrides, rest = split_argv(argv)
+    a = p.parse_args(rest)
+    if not spec:
+      raise ConfigError("--config is required (e.g. --config configs/lm_ablations.py)")
+    if a.stack_size < 0:
+      raise ConfigError(f"--stack-size must be >= 0, got {a.stack_size}")
+    config = apply_overrides(load(spec), overrides)
+    cells = expand(config)
+    jobs = plan(cells, a.jobs)
+  except (ConfigError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  t0 = time.monotonic()
+  out_dir = os.path.join("results", config.name)
+  labels, n = group_labels(cells), len(groups(cells))
+  last_step = cells[0].config.train.last_step if cells else 0
+  print(f"{len(jobs)} job(s) with cells left: " + ", ".join(f"{labels[g]}:{'all' if s is None else s}"
+                                                         for g, s in jobs))
+  if a.dry_run:
+    for g, s in jobs:
+      print(shlex.join(job_command(spec, overrides, g, n, s, a.stack_size)))
+    return 0
+  where, day = machine(), datetime.date.today().isoformat()
+  log_dir = os.path.join(out_dir, "runs", "pieces")
+  os.makedirs(log_dir, exist_ok=True)
+  piece_log, failed = [], False
+  for g, s in jobs:
+    left = a.budget - a.reserve - (time.monotonic() - t0)
+    name = f"{labels[g]}:{'all' if s is None else s}"
+    if left < max(a.min_left, 1.0):
+      print(f"job {name}: not started, {left:.0f} s left (--min-left {a.min_left:g})")
+      continue
+    cmd = job_command(spec, overrides, g, n, s, a.stack_size)
+    shown = shlex.join(["python"] + cmd[1:])
+    print(f"job {name}: {shown} (up to {left:.0f} s)", flush=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(log_dir, f"{stamp}_{labels[g].replace('/', '_')}_{'all' if s is None else s}.log")
+    start = time.monotonic()
+    rc = run_job(cmd, left, path)
+    secs = time.monotonic() - start
+    failed |= rc not in (0, CUT)
+    lines = [f"# {shown} ({day}, {where}, timeout {left:.0f} s)", f"job {name} rc={rc} {secs:.0f}s",
+             *summary_lines(path, last_step)]
+    piece_log += lines
+    print("\n".join(lines[1:]) + ("" if rc in (0, CUT) else f"\n(the job's output: {path})"), flush=True)
+  report = subprocess.run([sys.executable, "-m", "experiments.compare", "--config", spec,
+                           *(f"--config.{o}" for o in overrides), "--report"], capture_output=True, text=True)
+  records_dir = os.path.join(out_dir, "records")
+  finished = len(os.listdir(records_dir)) if os.path.isdir(records_dir) else 0
+  print(f"report: {out_dir}/table.md ({finished} of {len(cells)} cells with records)" if report.returncode == 0
+        else f"report: none ({report.stderr.strip().splitlines()[-1] if report.stderr.strip() else report.returncode})")
+  if a.log and piece_log:
+    with open(a.log, "a") as f:
+      f.write("\n".join(piece_log) + "\n")
+  if a.archive and os.path.isdir(records_dir):
+    with tarfile.open(a.archive, "w:gz") as tar:
+      tar.add(records_dir, arcname=records_dir)
+    print(f"archive: {a.archive} (unpack beside the code: tar xzf {os.path.basename(a.archive)})")
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

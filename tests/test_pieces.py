@@ -1,0 +1,101 @@
+"""`experiments.pieces`: a sweep run as budgeted jobs, each a stacked `gdn-compare` process. The plan takes
+every group's seed 0 before any seed 1 and drops what has finished; the jobs train their cells, log their last
+evaluations and pack the records; a job that the budget cannot hold is not started, and one that runs out of
+time is stopped and logged as cut."""
+
+import json
+import os
+import re
+import tarfile
+
+import pytest
+
+from experiments import pieces
+from gdn.sweep import done, expand
+from gdn.train import ConfigError
+from gdn.train.config_file import apply_overrides, load
+from tests.test_stacked import ROOT, SWEEP, TINY
+
+# Two models (attention, gdn) x the overrides' seeds x two rates; 8 steps, no evaluation before the last.
+OVERRIDES = [o for o in TINY if not o.startswith(("model.pattern", "model.num_layers", "train.stop_step"))] + [
+    "model.num_layers=1", "train.steps=8", "train.eval_every=0", "train.checkpoint_every=0",
+    "sweep.learning_rates=(1e-3,3e-3)"]
+
+
+@pytest.fixture
+def sweep(tmp_path, monkeypatch):
+  path = str(tmp_path / "sweep.py")
+  with open(path, "w") as f:
+    f.write(SWEEP.format(root=ROOT))
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # the jobs' processes compile as fast_compile does
+  return path
+
+
+def _cells(path, *extra):
+  return expand(apply_overrides(load(path), OVERRIDES + list(extra)))
+
+
+def _finish(cell):
+  os.makedirs(cell.config.run_dir)
+  with open(os.path.join(cell.config.run_dir, "summary.json"), "w") as f:
+    json.dump({"steps": cell.config.train.last_step}, f)
+
+
+def test_the_plan_goes_seed_by_seed_and_leaves_finished_cells_out(sweep):
+  cells = _cells(sweep, "sweep.seeds=(0,1)")  # attention seeds 0, 1, then gdn seeds 0, 1, two rates each
+  assert pieces.group_labels(cells) == ["attention", "gdn"]
+  assert pieces.plan(cells, ["next"]) == [(0, 0), (1, 0), (0, 1), (1, 1)]
+  for c in cells[:2]:  # attention's seed 0
+    _finish(c)
+  assert pieces.plan(cells, ["next"]) == [(1, 0), (0, 1), (1, 1)]
+  assert pieces.plan(cells, ["attention:0", "gdn:all", "1:all", "0:1"]) == [(1, None), (0, 1)]
+  _finish(cells[2])  # one of attention's two seed-1 cells: the other keeps the job
+  assert pieces.plan(cells, ["0:1"]) == [(0, 1)]
+  for bad, says in [("mamba:0", "the groups are 0-1: attention, gdn"), ("gdn:7", "must be one of [0, 1]"),
+                    ("gdn", "a job is g:s"), ("2:0", "no group '2'")]:
+    with pytest.raises(ConfigError, match=re.escape(says)):
+      pieces.plan(cells, [bad])
+
+
+def test_jobs_train_their_cells_log_the_last_evaluations_and_pack_the_records(sweep, capsys):
+  log, archive = "pieces.txt", "records.tgz"
+  args = ["--config", sweep, *(f"--config.{o}" for o in OVERRIDES), "--config.sweep.seeds=(0,)"]
+  assert pieces.main([*args, "--jobs", "next", "--budget", "900", "--stack-size", "2", "--log", log,
+                      "--archive", archive]) == 0
+  cells = _cells(sweep, "sweep.seeds=(0,)")
+  assert len(cells) == 4 and all(done(c) for c in cells)
+  text = open(log).read()
+  assert text.count("job attention:0 rc=0 ") == 1 and text.count("job gdn:0 rc=0 ") == 1
+  assert "--stack --stack-size 2 --shard 1/2" in text and "--config.sweep.seeds=(0,)" in text
+  for c in cells:  # each cell's evaluation at its last step, as the job printed it
+    assert f"{c.id}: step 8: " in text
+  with tarfile.open(archive) as tar:
+    names = tar.getnames()
+  assert {f"results/stacked_sweep/records/{c.id}" for c in cells} <= set(names)
+  assert "report: results/stacked_sweep/table.md (4 of 4 cells with records)" in capsys.readouterr().out
+  # Nothing is left, so a second command plans no job and starts no process.
+  assert pieces.main([*args, "--budget", "900", "--log", log]) == 0
+  assert "0 job(s) with cells left" in capsys.readouterr().out and open(log).read() == text
+
+
+def test_a_job_the_budget_cannot_hold_is_not_started_and_one_that_runs_out_is_cut(sweep, capsys):
+  args = ["--config", sweep, *(f"--config.{o}" for o in OVERRIDES), "--config.sweep.seeds=(0,)", "--jobs", "0:0"]
+  assert pieces.main([*args, "--budget", "40", "--reserve", "30", "--min-left", "20"]) == 0
+  assert "job attention:0: not started, 10 s left (--min-left 20)" in capsys.readouterr().out
+  assert not os.path.exists(os.path.join("results", "stacked_sweep", "runs", _cells(sweep)[0].id))
+  # 2 s: the job's process is stopped before it can train a step; the cut is logged, not raised.
+  assert pieces.main([*args, "--budget", "32", "--reserve", "30", "--log", "pieces.txt"]) == 0
+  out = capsys.readouterr().out
+  assert "job attention:0 rc=124 " in out and "report: none" in out
+  assert "rc=124" in open("pieces.txt").read()
+  assert not any(done(c) for c in _cells(sweep, "sweep.seeds=(0,)"))
+
+
+def test_bad_arguments_are_refused_with_the_reason(sweep, capsys):
+  assert pieces.main(["--budget", "10"]) == 2
+  assert "--config is required" in capsys.readouterr().err
+  assert pieces.main(["--config", sweep, "--budget", "10", "--jobs", "0:x"]) == 2
+  assert "the seed must be one of" in capsys.readouterr().err
+  assert pieces.main(["--config", sweep, "--budget", "10", "--stack-size", "-1"]) == 2
+  assert "--stack-size must be >= 0" in capsys.readouterr().err
