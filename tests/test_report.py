@@ -217,3 +217,22 @@ def test_compare_import_csv(tmp_path, monkeypatch, capsys):
   assert sorted(os.listdir(os.path.join(out_dir, "records"))) == sorted(c.id for c in cells[:2])
   assert compare.main(["--config", spec, "--config.name=other", "--import-csv"]) == 2
   assert "no results/other/results.csv" in capsys.readouterr().err
+
+
+def test_report_names_the_cells_that_picked_an_end_of_the_rate_grid(tmp_path):
+  """With three or more rates, a (model, setting) whose seeds' best rate is the grid's lowest or highest is
+  named (its best rate may lie outside the grid); one that picked inside it is not, nor any with two rates."""
+  config = apply_overrides(load(os.path.join(ROOT, "configs", "mqar.py") + ":small"),
+                           ("sweep.learning_rates=(1e-3,2e-3,4e-3)",))
+  cells = expand(config, results=str(tmp_path))
+  best = {"deltanet": {0: 1e-3, 1: 1e-3, 2: 2e-3}, "attention": {0: 4e-3, 1: 4e-3, 2: 4e-3},
+          "gated_deltanet": {0: 2e-3, 1: 2e-3, 2: 2e-3}}
+  for cell in cells:
+    if cell.model in best:
+      final = 0.9 if cell.lr == best[cell.model][cell.seed] else 0.5
+      _fake_run(cell, {300: final}, metric="accuracy", split="T64_P4")
+  table = open(write_report(cells, str(tmp_path), title="t")["table.md"]).read()
+  assert ("Picked at an end of the rate grid, so the best rate may lie outside it (a grid widened for every model "
+          "would tell): attention: 3 of 3 seeds at the highest (4e-03); deltanet: 2 of 3 seeds at the lowest "
+          "(1e-03).") in table
+  assert "gated_deltanet:" not in table

@@ -133,6 +133,20 @@ def _rates(lrs) -> str:
   return ", ".join(f"{lr:.0e}" + (f" ×{n}" if n > 1 else "") for lr, n in counts.items())
 
 
+def grid_edges(summary: dict, grid, several_settings: bool = False) -> list:
+  """For each (model, setting) whose seeds picked a rate at an end of a grid of three or more: "model: k of n
+  seeds at the lowest rate (1e-03)" (and/or the highest), where the best rate may lie outside the grid."""
+  if len(grid) < 3:
+    return []
+  out = []
+  for (model, setting), (_, _, n, lrs) in summary.items():
+    parts = [f"{k} of {n} seed{'s' if n > 1 else ''} at the {end} ({lr:.0e})"
+             for end, lr in (("lowest", grid[0]), ("highest", grid[-1])) for k in [lrs.count(lr)] if k]
+    if parts:
+      out.append(f"{model}{'/' + setting if several_settings else ''}: " + ", ".join(parts))
+  return out
+
+
 def chance_level(cells, metric: str):
   """The accuracy of guessing for an accuracy metric of the sweep's task (None for other metrics or tasks, or
   where the settings' chance levels differ, as over vocabularies); 0 for scaled_accuracy, which is 0 there."""
@@ -194,6 +208,10 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
     return f"{_cell(mean, std, n)} (lr {_rates(lrs)})"
 
   lines += _by_model_and_setting(models, settings, best_rates)
+  edges = grid_edges(summary, sorted({c.lr for c in cells}), len(settings) > 1)
+  if edges:
+    lines += ["", "Picked at an end of the rate grid, so the best rate may lie outside it (a grid widened for every "
+              "model would tell): " + "; ".join(edges) + "."]
   for spec in sweep.published.values():  # the first setting's numbers beside each published table
     ours = {}
     for r in best:
