@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gdn.layers import conv_kernel
 from gdn.layers.segments import segment_index
 
 # The conv's backward from its own VJP (`causal_conv`): it keeps only the padded input, the weight and the segment
@@ -29,6 +30,12 @@ CONV_VJP = False
 # it is 14x slower than the taps (fwd+bwd 20.98 against 1.48 ms at (8, 4096, 6144); the 340M training step
 # 1006.6 against 484.3 ms; docs/benchmarks.md). Read at trace time; CONV_VJP, where on, takes precedence.
 CONV_LAX = False
+# The conv and its SiLU as Pallas kernels (`gdn.layers.conv_kernel`): one pass over x forward and two backward,
+# float32 arithmetic, no shifted copies; a model's q, k and v convolved each in place (`ShortConv` given the parts)
+# so that their concatenation is never written. Shapes the kernels decline (T or C not a multiple of a block) keep
+# the other paths. Off until the card has timed it: `experiments/bench_conv.py --switch layers.conv.CONV_KERNEL=off,on`.
+# Read at trace time; takes precedence over CONV_VJP and CONV_LAX where on.
+CONV_KERNEL = False
 
 
 def _taps(xp, w, b, keep, T: int):
@@ -120,10 +127,17 @@ class ShortConv(nnx.Module):
     state None (zeros) or [B, W-1, C]. Returns (y [B, T, C], new state [B, W-1, C]); activation: None, or
     "silu" applied to y (inside the conv's own VJP with `CONV_VJP`, so that its input is not kept).
 
+    x may also be a tuple of channel parts [B, T, C_i] whose concatenation is the input (a mixer's q, k, v):
+    y is then the tuple of the outputs' parts. With `CONV_KERNEL` each part is convolved in place, so the
+    concatenation is never written; otherwise the parts are joined and the output split, the same numbers.
+
     context_axis: None, or the name of a mesh axis over which the sequence is split (inside a `shard_map`):
     x and segment_ids are then this device's slice, and the last W-1 inputs of the previous device's slice
     take the state's place (zeros on the first device).
     """
+    if isinstance(x, (tuple, list)):
+      return self._parts(tuple(x), segment_ids=segment_ids, state=state, context_axis=context_axis,
+                         activation=activation)
     if x.ndim != 3 or x.shape[-1] != self.channels:
       raise ValueError(f"x must be [B, T, C] with C={self.channels}, got shape {x.shape}")
     B, T, C = x.shape
@@ -143,26 +157,66 @@ class ShortConv(nnx.Module):
       seg_before = None
     xp = jnp.concatenate([state.astype(x.dtype), x], axis=1)
     w = self.weight[...].astype(x.dtype)
-    if segment_ids is not None:
-      if seg_before is None:
-        # A state prefix belongs to no segment: packed sequences start from a clean window.
-        sp = jnp.concatenate([jnp.full((B, W - 1), -1, jnp.int32), segment_index(segment_ids)], axis=1)
-      else:
-        # The previous slice's ids continue this one's: segments are numbered over the joined window. On the
-        # first device the prefix inputs are zeros, so whatever segment they are given adds nothing.
-        sp = segment_index(jnp.concatenate([seg_before, segment_ids], axis=1))
-      seg = sp[:, W - 1:]
-    keep = None if segment_ids is None else jnp.stack([sp[:, j:j + T] == seg for j in range(W)], axis=-1)
+    keep = _segment_keep(segment_ids, seg_before, W)
     b = None if self.bias is None else self.bias[...].astype(x.dtype)
     if activation not in (None, "silu"):
       raise ValueError(f"activation must be None or 'silu', got {activation!r}")
-    if CONV_VJP:
+    if CONV_KERNEL and conv_kernel.supported(T, C, W):
+      y = conv_kernel.short_conv(x, xp[:, :W - 1], w, b, keep, activation)
+    elif CONV_VJP:
       y = causal_conv(xp, w, b, keep, T, activation)
     elif CONV_LAX and keep is None:
       y = _activate(_lax_taps(xp, w, b, T), activation)
     else:
       y = _activate(_taps(xp, w, b, keep, T), activation)
     return y, xp[:, T:]
+
+  def _parts(self, xs, *, segment_ids, state, context_axis, activation):
+    sizes = [p.shape[-1] if p.ndim == 3 else -1 for p in xs]
+    if sum(sizes) != self.channels or min(sizes) < 1 or len({p.shape[:2] for p in xs}) != 1:
+      raise ValueError(f"x's parts must be [B, T, C_i] with the C_i summing to C={self.channels}, got shapes "
+                       f"{[p.shape for p in xs]}")
+    B, T, _ = xs[0].shape
+    W = self.size
+    offsets = np.cumsum([0] + sizes)
+    if (not CONV_KERNEL or context_axis is not None or T < W - 1
+        or not all(conv_kernel.supported(T, c, W) for c in sizes)):
+      y, new_state = self(jnp.concatenate(xs, axis=-1), segment_ids=segment_ids, state=state,
+                          context_axis=context_axis, activation=activation)
+      return tuple(y[..., a:z] for a, z in zip(offsets[:-1], offsets[1:])), new_state
+    if state is not None and state.shape != (B, W - 1, self.channels):
+      raise ValueError(f"state must be [B, W-1, C] = {(B, W - 1, self.channels)}, got {state.shape}")
+    if segment_ids is not None and segment_ids.shape != (B, T):
+      raise ValueError(f"segment_ids must be [B, T] = {(B, T)}, got {segment_ids.shape}")
+    keep = _segment_keep(segment_ids, None, W)
+    if activation not in (None, "silu"):
+      raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+    dt = xs[0].dtype
+    w = self.weight[...].astype(dt)
+    b = None if self.bias is None else self.bias[...].astype(dt)
+    ys, tails = [], []
+    for p, a, z in zip(xs, offsets[:-1], offsets[1:]):
+      st = jnp.zeros((B, W - 1, z - a), dt) if state is None else state[..., a:z].astype(dt)
+      ys.append(conv_kernel.short_conv(p.astype(dt), st, w[:, a:z], None if b is None else b[a:z], keep,
+                                       activation))
+      tails.append(p[:, T - (W - 1):].astype(dt))
+    return tuple(ys), jnp.concatenate(tails, axis=-1)
+
+
+def _segment_keep(segment_ids, seg_before, W: int):
+  """None without segments, else bool [B, T, W]: whether tap j's input (position t - (W-1-j)) is in t's segment."""
+  if segment_ids is None:
+    return None
+  B, T = segment_ids.shape
+  if seg_before is None:
+    # A state prefix belongs to no segment: packed sequences start from a clean window.
+    sp = jnp.concatenate([jnp.full((B, W - 1), -1, jnp.int32), segment_index(segment_ids)], axis=1)
+  else:
+    # The previous slice's ids continue this one's: segments are numbered over the joined window. On the
+    # first device the prefix inputs are zeros, so whatever segment they are given adds nothing.
+    sp = segment_index(jnp.concatenate([seg_before, segment_ids], axis=1))
+  seg = sp[:, W - 1:]
+  return jnp.stack([sp[:, j:j + T] == seg for j in range(W)], axis=-1)
 
 
 def _halo(x, segment_ids, n: int, axis_name: str):

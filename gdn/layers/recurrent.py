@@ -252,10 +252,9 @@ class RecurrentMixer(nnx.Module):
     conv_state = None
     if self.conv is not None:
       with jax.named_scope("short_conv"):
-        qkv, conv_state = self.conv(jnp.concatenate([q, k, v], axis=-1), segment_ids=segment_ids,
-                                    state=None if cache is None else cache.conv, context_axis=context_axis,
-                                    activation="silu")
-        q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
+        (q, k, v), conv_state = self.conv((q, k, v), segment_ids=segment_ids,
+                                          state=None if cache is None else cache.conv, context_axis=context_axis,
+                                          activation="silu")
     elif cfg.silu_without_conv:
       q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
     q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
