@@ -9,6 +9,7 @@ block, shows here before the card is asked.
   python -m experiments.kernel_resources --k 256 --v 512                   # the 340M model's heads
   python -m experiments.kernel_resources --k 256 --v 512 --switch ops.pallas_chunk.BWD_STATES=off,on
   python -m experiments.kernel_resources --decode --k 256 --v 512 --decode-block-v 32,64   # the decode-step kernel
+  python -m experiments.kernel_resources --batch 8 --length 8192 --conv-channels 6144      # the short conv's kernels
 """
 
 from __future__ import annotations
@@ -65,6 +66,26 @@ def decode_kernels_of(a, block_v) -> list:
   return [("decode", k) for k in triton_kernels(step, *args)]
 
 
+def conv_kernels_of(a) -> list:
+  """[(call, TritonKernel)] of the short conv's kernels (`gdn.layers.conv_kernel`, SiLU, 4 taps) on a [--batch,
+  --length, --conv-channels] input, forward only and forward+backward."""
+  import jax
+
+  from gdn.bench.kernel_resources import triton_kernels
+  from gdn.layers import conv_kernel
+
+  S, dtype, B, T, C = jax.ShapeDtypeStruct, a.dtype, a.batch, a.length, a.conv_channels
+  args = (S((B, T, C), dtype), S((B, 3, C), dtype), S((4, C), dtype))
+  conv = lambda x, s, w: conv_kernel.short_conv(x, s, w, None, None, "silu", interpret=False)
+
+  def both(x, s, w):
+    y, vjp = jax.vjp(conv, x, s, w)
+    return vjp(y)
+
+  return ([("forward", k) for k in triton_kernels(jax.jit(conv), *args)]
+          + [("fwd+bwd", k) for k in triton_kernels(jax.jit(both), *args)])
+
+
 def main(argv=None) -> list:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--batch", type=int, default=1)
@@ -81,11 +102,15 @@ def main(argv=None) -> list:
   p.add_argument("--decode", action="store_true", help="the decode-step kernel (pallas_decode) instead of the op's")
   p.add_argument("--decode-block-v", default="", metavar="BV,...",
                  help="with --decode: the value steps to compile, a row each (0 or none given: the kernel's default)")
+  p.add_argument("--conv-channels", type=int, default=0, metavar="C",
+                 help="the short conv's kernels (gdn.layers.conv_kernel) on [--batch, --length, C] instead of the op's")
   a = p.parse_args(argv)
   steps = [int(x) or None for x in a.decode_block_v.split(",") if x.strip()] or [None]
   from gdn.bench.kernel_resources import resources
 
-  what = (f"the decode-step kernel for sm_{a.capability}: B {a.batch}, {a.heads} heads, K {a.k}, V {a.v}, conv 4, "
+  what = (f"the short conv's kernels for sm_{a.capability}: B {a.batch}, T {a.length}, C {a.conv_channels}, 4 taps, "
+          f"SiLU, {a.dtype}" if a.conv_channels else
+          f"the decode-step kernel for sm_{a.capability}: B {a.batch}, {a.heads} heads, K {a.k}, V {a.v}, conv 4, "
           f"{a.dtype}" if a.decode else
           f"method='pallas' kernels for sm_{a.capability}: B {a.batch}, T {a.length}, {a.heads} heads, K {a.k}, "
           f"V {a.v}, chunk {a.chunk}, {a.dtype}, {a.decay} decay")
@@ -97,7 +122,8 @@ def main(argv=None) -> list:
   for setting in switch_settings(a.switch):
     restore = apply_setting(setting)
     try:
-      found = ([(f"{call}, value step {bv or 'default'}", k) for bv in steps for call, k in decode_kernels_of(a, bv)]
+      found = (conv_kernels_of(a) if a.conv_channels else
+               [(f"{call}, value step {bv or 'default'}", k) for bv in steps for call, k in decode_kernels_of(a, bv)]
                if a.decode else kernels_of(a))
     finally:
       restore()
@@ -105,7 +131,7 @@ def main(argv=None) -> list:
       r = resources(kernel, a.capability)
       over = " (over)" if r["shared"] > H200_SHARED else ""
       cell = f" {setting_label(setting)} |" if a.switch else ""
-      print(f"|{cell} {call} | {kernel.name} | {' x '.join(map(str, kernel.grid[:2]))} | {kernel.num_warps} | "
+      print(f"|{cell} {call} | {kernel.name} | {' x '.join(map(str, kernel.grid[:3] if kernel.grid[2] > 1 else kernel.grid[:2]))} | {kernel.num_warps} | "
             f"{kernel.num_stages} | {r['registers']} | {r['spill_stores']} | {r['spill_loads']} | "
             f"{r['shared'] / 1024:.0f}{over} |", flush=True)
       rows.append(dict(setting=setting, call=call, name=kernel.name, grid=kernel.grid, warps=kernel.num_warps,

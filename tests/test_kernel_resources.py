@@ -29,3 +29,16 @@ def test_decode_kernel_at_wide_keys_does_not_spill():
   default, step64 = kernel_resources.main(["--decode", "--k", "256", "--v", "256", "--decode-block-v", "0,64"])
   assert default["name"] == "gdn_decode_step" and default["spill_stores"] == 0 and default["registers"] <= 255
   assert step64["spill_stores"] > 0
+
+
+def test_conv_kernels_compile_for_sm90_without_spilling():
+  """The short conv's three Triton kernels (gdn.layers.conv_kernel) at [64, 128] blocks and 8 warps: they lower
+  (row windows of refs, the first and last blocks' branches) and none spills."""
+  from experiments import kernel_resources
+
+  rows = kernel_resources.main(["--batch", "2", "--length", "256", "--conv-channels", "256"])
+  assert [(r["call"], r["name"]) for r in rows] == [
+      ("forward", "gdn_short_conv"), ("fwd+bwd", "gdn_short_conv"), ("fwd+bwd", "gdn_short_conv_bwd_pre"),
+      ("fwd+bwd", "gdn_short_conv_bwd_dx")]
+  for r in rows:
+    assert r["grid"] == (2, 4, 2) and r["warps"] == 8 and r["spill_stores"] == 0 and r["registers"] <= 255, r

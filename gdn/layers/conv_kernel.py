@@ -38,7 +38,10 @@ from gdn.ops.pallas_common import default_interpret
 
 BLOCKS_T = (64, 32, 16)
 BLOCKS_C = (128, 64, 32, 16)
-NUM_WARPS = 4
+# Warps per program: one per 1,024 elements of the block, at most 8. At [64, 128] blocks, offline for sm_90
+# (Triton 3.9, ptxas -v, bfloat16, (8, 8192, 6144); `gdn.bench.kernel_resources`) 8 warps need 99-121 registers a
+# thread and spill nothing, where 4 warps need 255 and spill 92-96 bytes in the forward and dx kernels.
+ELEMENTS_PER_WARP = 1024
 
 
 def supported(T: int, C: int, W: int) -> Optional[tuple]:
@@ -63,23 +66,25 @@ def _ct(dtype):
   return jnp.promote_types(jnp.float32, dtype)
 
 
-def _pre(x_ref, head_ref, w_ref, b_ref, keep_ref, W: int, BT: int):
-  """The block's pre-activation [BT, BC] (in `_ct`) and its W masked taps."""
+def _tap(x_ref, head_ref, keep_ref, j: int, W: int, BT: int):
+  """Tap j's inputs for the block's rows [BT, BC] (in `_ct`), masked where the tap leaves the segment."""
   i = pl.program_id(1)
-  ct = _ct(x_ref.dtype)
-  acc, taps = None, []
+  s = W - 1 - j
+  tap = _window(x_ref, head_ref, i, i == 0, i * BT - s, BT - s, BT).astype(_ct(x_ref.dtype))
+  keep = _mask(keep_ref, j, BT)
+  return tap if keep is None else jnp.where(keep, tap, 0.0)
+
+
+def _pre(x_ref, head_ref, w_ref, b_ref, keep_ref, W: int, BT: int):
+  """The block's pre-activation [BT, BC] (in `_ct`); the taps are loaded one at a time, so that only the sum is
+  held in registers."""
+  acc = None
   for j in range(W):
-    s = W - 1 - j
-    tap = _window(x_ref, head_ref, i, i == 0, i * BT - s, BT - s, BT).astype(ct)
-    keep = _mask(keep_ref, j, BT)
-    if keep is not None:
-      tap = jnp.where(keep, tap, 0.0)
-    taps.append(tap)
-    term = tap * w_ref[j, :].astype(ct)[None, :]
+    term = _tap(x_ref, head_ref, keep_ref, j, W, BT) * w_ref[j, :].astype(_ct(x_ref.dtype))[None, :]
     acc = term if acc is None else acc + term
   if b_ref is not None:
-    acc = acc + b_ref[0, :].astype(ct)[None, :]
-  return acc, taps
+    acc = acc + b_ref[0, :].astype(acc.dtype)[None, :]
+  return acc
 
 
 def _refs(refs, has_b: bool, has_keep: bool, n_in: int):
@@ -91,7 +96,7 @@ def _refs(refs, has_b: bool, has_keep: bool, n_in: int):
 
 def _fwd_kernel(*refs, W, BT, activation, has_b, has_keep):
   (x_ref, head_ref, w_ref), b_ref, keep_ref, (y_ref,) = _refs(refs, has_b, has_keep, 3 + has_b + has_keep)
-  pre, _ = _pre(x_ref, head_ref, w_ref, b_ref, keep_ref, W, BT)
+  pre = _pre(x_ref, head_ref, w_ref, b_ref, keep_ref, W, BT)
   y = pre * jax.nn.sigmoid(pre) if activation == "silu" else pre
   y_ref[...] = y.astype(y_ref.dtype)
 
@@ -101,7 +106,7 @@ def _bwd_pre_kernel(*refs, W, BT, activation, has_b, has_keep):
   n_in = 4 + has_b + has_keep
   ins, b_ref, keep_ref, (dpre_ref, dw_ref) = _refs(refs, has_b, has_keep, n_in)
   x_ref, head_ref, w_ref, dy_ref = ins
-  pre, taps = _pre(x_ref, head_ref, w_ref, b_ref, keep_ref, W, BT)
+  pre = _pre(x_ref, head_ref, w_ref, b_ref, keep_ref, W, BT)
   dy = dy_ref[...].astype(pre.dtype)
   if activation == "silu":
     sig = jax.nn.sigmoid(pre)
@@ -109,8 +114,8 @@ def _bwd_pre_kernel(*refs, W, BT, activation, has_b, has_keep):
   dpre = dy.astype(dpre_ref.dtype)
   dpre_ref[...] = dpre
   d = dpre.astype(pre.dtype)
-  for j in range(W):
-    dw_ref[j, :] = jnp.sum(taps[j] * d, axis=0)
+  for j in range(W):  # the taps loaded again (from cache), not kept from the sum above
+    dw_ref[j, :] = jnp.sum(_tap(x_ref, head_ref, keep_ref, j, W, BT) * d, axis=0)
 
 
 def _bwd_dx_kernel(*refs, W, BT, nT, has_keep):
@@ -150,8 +155,9 @@ def _head(x, state, BT: int):
   return jnp.concatenate([jnp.zeros((B, BT - W1, C), x.dtype), state.astype(x.dtype), x[:, :BT]], axis=1)
 
 
-def _params(interpret: bool):
-  return None if interpret else pl_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+def _params(interpret: bool, BT: int, BC: int):
+  warps = max(1, min(8, BT * BC // ELEMENTS_PER_WARP))
+  return None if interpret else pl_triton.CompilerParams(num_warps=warps, num_stages=1)
 
 
 def _forward(x, state, w, b, keep, activation, interpret):
@@ -170,7 +176,7 @@ def _forward(x, state, w, b, keep, activation, interpret):
                              has_keep=keep is not None)
   return pl.pallas_call(kernel, grid=(B, T // BT, C // BC), in_specs=specs, out_specs=block,
                         out_shape=jax.ShapeDtypeStruct((B, T, C), x.dtype), interpret=interpret,
-                        name="gdn_short_conv", compiler_params=_params(interpret))(*ins)
+                        name="gdn_short_conv", compiler_params=_params(interpret, BT, BC))(*ins)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -205,7 +211,7 @@ def _conv_bwd(activation, interpret, res, dy):
       kernel, grid=(B, nT, C // BC), in_specs=specs,
       out_specs=[block, pl.BlockSpec((None, None, W, BC), lambda b_, i, j: (b_, i, 0, j))],
       out_shape=[jax.ShapeDtypeStruct((B, T, C), x.dtype), jax.ShapeDtypeStruct((B, nT, W, C), _ct(x.dtype))],
-      interpret=interpret, name="gdn_short_conv_bwd_pre", compiler_params=_params(interpret))(*ins)
+      interpret=interpret, name="gdn_short_conv_bwd_pre", compiler_params=_params(interpret, BT, BC))(*ins)
 
   tail = jnp.concatenate([dpre[:, T - BT:], jnp.zeros((B, BT, C), dpre.dtype)], axis=1)
   ins, specs = [dpre, tail, w], [col(T), col(2 * BT), weight]
@@ -215,7 +221,7 @@ def _conv_bwd(activation, interpret, res, dy):
   kernel = functools.partial(_bwd_dx_kernel, W=W, BT=BT, nT=nT, has_keep=keep is not None)
   dx = pl.pallas_call(kernel, grid=(B, nT, C // BC), in_specs=specs, out_specs=block,
                       out_shape=jax.ShapeDtypeStruct((B, T, C), x.dtype), interpret=interpret,
-                      name="gdn_short_conv_bwd_dx", compiler_params=_params(interpret))(*ins)
+                      name="gdn_short_conv_bwd_dx", compiler_params=_params(interpret, BT, BC))(*ins)
 
   # The state rows p < W-1 reach outputs u = p - j >= 0 through tap j (a few rows: XLA).
   f32 = _ct(x.dtype)
