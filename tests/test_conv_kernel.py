@@ -47,6 +47,29 @@ def test_the_kernels_give_the_taps_outputs_and_gradients_in_float64(B, T, C, W, 
     assert (got[1][3] is None) == (not bias)
 
 
+def assert_close(got, want, tol):
+  """Every leaf of `got` within tol of `want`'s, relative to the leaf's largest magnitude (at least 1)."""
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.max(np.abs(a - b)) <= tol * max(1.0, np.max(np.abs(b)))
+
+
+def mixer_loss(dtype):
+  """(make_loss, params, x) of a small Gated DeltaNet layer: make_loss() gives a new loss function each call, as
+  the module switches are read at trace time and JAX caches traces by function."""
+  cfg = recurrent_preset("gated_deltanet", num_heads=2, head_dim=32, method="chunk", chunk_size=32)
+  graphdef, params, rest = nnx.split(RecurrentMixer(cfg, 64, rngs=nnx.Rngs(0)), nnx.Param, ...)
+  x = jax.random.normal(jax.random.key(1), (2, 64, 64), dtype)
+
+  def make_loss():
+    def loss(params, x):
+      y, _ = nnx.merge(graphdef, params, rest)(x)
+      return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(y.size).reshape(y.shape)))
+    return loss
+
+  return make_loss, params, x
+
+
 def _conv_loss(conv, seg, s0, dy, parts):
   graphdef, params = nnx.split(conv, nnx.Param)
 
@@ -82,32 +105,19 @@ def test_short_conv_with_the_kernels_matches_the_taps(monkeypatch, dtype, tol, p
     assert ("gdn_short_conv" in str(jax.make_jaxpr(f)(params, x, s0))) == on
   (want, dwant), (got, dgot) = out
   assert abs(float(got) - float(want)) <= tol * abs(float(want))
-  for a, b in zip(jax.tree.leaves(dgot), jax.tree.leaves(dwant)):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    assert np.max(np.abs(a - b)) <= tol * max(1.0, np.max(np.abs(b)))
+  assert_close(dgot, dwant, tol)
 
 
 def test_the_gated_deltanet_layer_is_the_same_with_the_kernels(monkeypatch):
   """The mixer hands its q, k and v to the conv as parts: float32 outputs and gradients as with the taps."""
-  cfg = recurrent_preset("gated_deltanet", num_heads=2, head_dim=32, method="chunk", chunk_size=32)
-  graphdef, params, rest = nnx.split(RecurrentMixer(cfg, 64, rngs=nnx.Rngs(0)), nnx.Param, ...)
-  x = jax.random.normal(jax.random.key(1), (2, 64, 64), jnp.float32)
-
-  def make_loss():  # a new function for each setting of the switch, which is read at trace time
-    def loss(params, x):
-      y, _ = nnx.merge(graphdef, params, rest)(x)
-      return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape)))
-    return loss
-
+  make_loss, params, x = mixer_loss(jnp.float32)
   got = {}
   for on in (False, True):
     monkeypatch.setattr(conv_mod, "CONV_KERNEL", on)
     loss = make_loss()
     assert ("gdn_short_conv" in str(jax.make_jaxpr(loss)(params, x))) == on
     got[on] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
-  for a, b in zip(jax.tree.leaves(got[True]), jax.tree.leaves(got[False])):
-    scale = float(jnp.max(jnp.abs(b))) + 1e-30
-    np.testing.assert_allclose(np.asarray(a) / scale, np.asarray(b) / scale, atol=2e-6)
+  assert_close(got[True], got[False], 2e-6)
 
 
 def test_shapes_the_kernels_decline_keep_the_taps(monkeypatch):

@@ -18,7 +18,7 @@ from gdn import ops
 from gdn.config import RecurrentConfig
 from gdn.layers.conv import ShortConv
 from gdn.layers.fused import fuse_projections, project
-from gdn.layers.norms import ACTIVATIONS, GatedRMSNorm, RMSNorm
+from gdn.layers.norms import ACTIVATIONS, GatedRMSNorm, RMSNorm, l2norm
 from gdn.layers.segments import check_mixer_call
 from gdn.ops import pallas_decode
 from gdn.ops.context_parallel import local_gated_delta_rule
@@ -31,12 +31,6 @@ X_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "a_proj", "f_a_proj", "b_proj", "
 class RecurrentCache(NamedTuple):
   conv: Optional[jax.Array]  # [B, W-1, 2*H*K + HV*V] last inputs of the short conv (None without it)
   S: jax.Array  # [B, HV, K, V] float32
-
-
-def l2norm(x, eps: float = 1e-6):
-  """x * rsqrt(sum(x^2) + eps) over the last axis, in float32 (the seed's and fla's l2norm)."""
-  x32 = x.astype(jnp.float32)
-  return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def init_decay(key, shape_A, shape_dt, dt_init: str):
