@@ -9,7 +9,9 @@ The forward kernel, grid (B, T / BT, C / BC), reads tap j's rows u - (W-1-j) of 
 shifted window of the same [T, BC] column block; L2 serves the overlap) and the block's first rows from `head`
 = [zeros; state; x[:BT]] (2 BT rows a batch, built in XLA), so neither [state; x] nor any shifted copy is written
 to memory: x is read once and y written once, the traffic XLA's taps use several times (docs/benchmarks.md).
-Products and sums are float32; y is written in x's dtype.
+Products and sums are float32 (float64 for float64 inputs); y is written in x's dtype. The taps are loaded one at
+a time (the backward loads them again for the weight's sums) and the warps follow the block, so that nothing
+spills (`experiments/kernel_resources.py --conv-channels`).
 
 Backward, two kernels: (1) the taps again, the SiLU's derivative, dpre = dy * silu'(pre) written once in x's
 dtype (as `conv._conv_bwd` rounds it), and each block's weight-gradient partial sums sum_u keep[u, j] xp[u + j]
