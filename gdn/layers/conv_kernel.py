@@ -140,7 +140,7 @@ def _bwd_dx_kernel(*refs, W, BT, nT, has_keep):
   dx_ref[...] = acc.astype(dx_ref.dtype)
 
 
-def _specs(B, T, C, W, BT, BC):
+def _specs(W, BT, BC):
   col = lambda rows: pl.BlockSpec((None, rows, BC), lambda b, i, j: (b, 0, j))
   block = pl.BlockSpec((None, BT, BC), lambda b, i, j: (b, i, j))
   weight = pl.BlockSpec((W, BC), lambda b, i, j: (0, j))
@@ -162,18 +162,31 @@ def _params(interpret: bool, BT: int, BC: int):
   return None if interpret else pl_triton.CompilerParams(num_warps=warps, num_stages=1)
 
 
-def _forward(x, state, w, b, keep, activation, interpret):
-  B, T, C = x.shape
-  W = w.shape[0]
-  BT, BC = supported(T, C, W)
-  col, block, weight, bias, keep_block, _ = _specs(B, T, C, W, BT, BC)
+def _tap_inputs(x, state, w, b, keep8, BT: int, BC: int):
+  """The arrays and block specs the taps read (`_pre`): x, its head, w, then b and keep where given."""
+  T, C, W = x.shape[1], x.shape[2], w.shape[0]
+  col, _, weight, bias, keep_block, _ = _specs(W, BT, BC)
   ins, specs = [x, _head(x, state, BT), w], [col(T), col(2 * BT), weight]
   if b is not None:
     ins.append(b.reshape(1, C))
     specs.append(bias)
-  if keep is not None:
-    ins.append(jnp.swapaxes(keep, 1, 2).astype(jnp.int8))
+  if keep8 is not None:
+    ins.append(keep8)
     specs.append(keep_block)
+  return ins, specs
+
+
+def _keep8(keep):
+  """keep [B, T, W] bool as int8 [B, W, T] (each tap's row a contiguous vector), or None."""
+  return None if keep is None else jnp.swapaxes(keep, 1, 2).astype(jnp.int8)
+
+
+def _forward(x, state, w, b, keep, activation, interpret):
+  B, T, C = x.shape
+  W = w.shape[0]
+  BT, BC = supported(T, C, W)
+  block = _specs(W, BT, BC)[1]
+  ins, specs = _tap_inputs(x, state, w, b, _keep8(keep), BT, BC)
   kernel = functools.partial(_fwd_kernel, W=W, BT=BT, activation=activation, has_b=b is not None,
                              has_keep=keep is not None)
   return pl.pallas_call(kernel, grid=(B, T // BT, C // BC), in_specs=specs, out_specs=block,
@@ -196,15 +209,9 @@ def _conv_bwd(activation, interpret, res, dy):
   W = w.shape[0]
   BT, BC = supported(T, C, W)
   nT = T // BT
-  col, block, weight, bias, keep_block, keep_whole = _specs(B, T, C, W, BT, BC)
-  keep8 = None if keep is None else jnp.swapaxes(keep, 1, 2).astype(jnp.int8)  # [B, W, T]
-  ins, specs = [x, _head(x, state, BT), w], [col(T), col(2 * BT), weight]
-  if b is not None:
-    ins.append(b.reshape(1, C))
-    specs.append(bias)
-  if keep8 is not None:
-    ins.append(keep8)
-    specs.append(keep_block)
+  col, block, weight, _, _, keep_whole = _specs(W, BT, BC)
+  keep8 = _keep8(keep)
+  ins, specs = _tap_inputs(x, state, w, b, keep8, BT, BC)
   ins.append(dy.astype(x.dtype))
   specs.append(block)
   kernel = functools.partial(_bwd_pre_kernel, W=W, BT=BT, activation=activation, has_b=b is not None,

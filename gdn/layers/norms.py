@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -16,20 +14,6 @@ ACTIVATIONS = {"silu": jax.nn.silu, "sigmoid": jax.nn.sigmoid}
 # program; gradients equal autodiff's to float32 rounding (`tests/test_norm_vjp.py`). Off until the card has timed
 # it (`experiments/bench_layer_fla.py --switch layers.norms.NORM_VJP=off,on`). Read at trace time.
 NORM_VJP = False
-
-
-def _act_and_vjp(name: str, g32):
-  return jax.vjp(ACTIVATIONS[name], g32)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _l2norm_vjp(x, eps: float):
-  return _l2norm(x, eps)
-
-
-def _l2norm(x, eps):
-  x32 = x.astype(jnp.float32)
-  return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def _l2norm_fwd(x, eps):
@@ -45,24 +29,13 @@ def _l2norm_bwd(eps, res, dy):
   return ((r * (dy - y * jnp.sum(y * dy, axis=-1, keepdims=True))).astype(x.dtype),)
 
 
+_l2norm_vjp = jax.custom_vjp(lambda x, eps: _l2norm_fwd(x, eps)[0], nondiff_argnums=(1,))
 _l2norm_vjp.defvjp(_l2norm_fwd, _l2norm_bwd)
 
 
 def l2norm(x, eps: float = 1e-6):
   """x * rsqrt(sum(x^2) + eps) over the last axis, in float32 (the seed's and fla's l2norm), in x's dtype."""
-  return _l2norm_vjp(x, eps) if NORM_VJP else _l2norm(x, eps)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gated_rms(x, gate, weight, eps: float, activation: str):
-  return _gated_rms_plain(x, gate, weight, eps, activation)
-
-
-def _gated_rms_plain(x, gate, weight, eps, activation):
-  x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  act = ACTIVATIONS[activation](gate.astype(jnp.float32))
-  return ((y * weight).astype(x.dtype).astype(jnp.float32) * act).astype(x.dtype)
+  return _l2norm_vjp(x, eps) if NORM_VJP else _l2norm_fwd(x, eps)[0]
 
 
 def _gated_rms_fwd(x, gate, weight, eps, activation):
@@ -76,7 +49,7 @@ def _gated_rms_fwd(x, gate, weight, eps, activation):
 def _gated_rms_bwd(eps, activation, res, dout):
   x, gate, weight, r = res
   y = x.astype(jnp.float32) * r
-  act, act_vjp = _act_and_vjp(activation, gate.astype(jnp.float32))
+  act, act_vjp = jax.vjp(ACTIVATIONS[activation], gate.astype(jnp.float32))
   normed = (y * weight).astype(x.dtype).astype(jnp.float32)  # the forward rounds the norm's output to x's dtype
   dout = dout.astype(jnp.float32)
   (dgate,) = act_vjp(dout * normed)
@@ -87,6 +60,7 @@ def _gated_rms_bwd(eps, activation, res, dout):
   return dx.astype(x.dtype), dgate.astype(gate.dtype), dweight.astype(weight.dtype)
 
 
+_gated_rms = jax.custom_vjp(lambda *args: _gated_rms_fwd(*args)[0], nondiff_argnums=(3, 4))
 _gated_rms.defvjp(_gated_rms_fwd, _gated_rms_bwd)
 
 
