@@ -1,5 +1,5 @@
 """The Gated DeltaNet block ablations (Yang, Kautz, Hatamizadeh, ICLR 2025, Table S.1) on the gdn-corpus bytes,
-every training byte seen at most once, parameter-matched, 3 seeds x 3 learning rates.
+every training byte seen at most once, parameter-matched, 3 seeds x 5 learning rates.
 
   python -m gdn.data.corpus --out data/pycode_small --roots stdlib --max-bytes 4000000
   gdn-compare --config configs/lm_ablations.py:small   # CPU, minutes

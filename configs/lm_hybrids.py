@@ -1,4 +1,4 @@
-"""Hybrids on the gdn-corpus bytes, every training byte seen at most once, parameter-matched, 3 seeds x 3 rates:
+"""Hybrids on the gdn-corpus bytes, every training byte seen at most once, parameter-matched, 3 seeds x 5 rates:
 the Gated DeltaNet paper's H1 and H2 (Yang, Kautz, Hatamizadeh, ICLR 2025, Fig. 1 and its language-modelling table) and Kimi Linear's
 ratios of KDA to full attention (Kimi Team 2025, Table 1).
 

@@ -37,6 +37,7 @@ import tarfile
 import time
 
 from gdn.sweep import done, expand, groups
+from gdn.sweep.grid import tuning_seeds
 from gdn.train import ConfigError
 from gdn.train.config_file import apply_overrides, load, split_argv
 
@@ -52,13 +53,19 @@ def group_labels(cells) -> list:
 
 def plan(cells, jobs) -> list:
   """(group index, seed or None for every seed) per job, in order; "next" expands to every (group, seed) with a
-  cell left to train, seed by seed. Jobs with nothing left to train are dropped."""
+  cell left to train, seed by seed; in a sweep with `sweep.tune_seeds`, to the tuning seeds' jobs that way and
+  then one job per group for its other seeds' cells (one rate each, stacked together), where the tuning has
+  picked their rate. Jobs with nothing left to train are dropped."""
   gs, labels = groups(cells), group_labels(cells)
   seeds = list(dict.fromkeys(c.seed for c in cells))
+  tuning = set(tuning_seeds(cells[0].config.sweep)) if cells else set()
   out = []
   for job in jobs:
     if job == "next":
-      out += [(g, s) for s in seeds for g in range(len(gs)) if any(c.seed == s and not done(c) for c in gs[g])]
+      out += [(g, s) for s in seeds if not tuning or s in tuning for g in range(len(gs))
+              if any(c.seed == s and not done(c) for c in gs[g])]
+      if tuning:
+        out += [(g, None) for g in range(len(gs)) if any(c.seed not in tuning and not done(c) for c in gs[g])]
       continue
     name, sep, seed = job.rpartition(":")
     if not sep or not name:

@@ -99,3 +99,31 @@ def test_bad_arguments_are_refused_with_the_reason(sweep, capsys):
   assert "the seed must be one of" in capsys.readouterr().err
   assert pieces.main(["--config", sweep, "--budget", "10", "--stack-size", "-1"]) == 2
   assert "--stack-size must be >= 0" in capsys.readouterr().err
+
+
+def test_with_tuning_seeds_the_others_wait_for_their_rate_and_then_run_as_one_job_a_group(sweep):
+  """sweep.tune_seeds=(0,): seed 0 runs both rates; seeds 1 and 2 of a group appear once its seed 0 has
+  finished, at the rate with the better final metric only, and "next" gives them one job (every seed) after
+  the tuning seeds' jobs."""
+  extra = ("sweep.seeds=(0,1,2)", "sweep.tune_seeds=(0,)")
+  cells = _cells(sweep, *extra)
+  assert [(c.model, c.seed, c.lr) for c in cells] == [(m, 0, lr) for m in ("attention", "gdn") for lr in (1e-3, 3e-3)]
+  assert pieces.plan(cells, ["next"]) == [(0, 0), (1, 0)]
+  metric, sign = cells[0].config.sweep.metric, 1 if cells[0].config.sweep.mode == "min" else -1
+  for c in cells[:2]:  # attention's seed 0: 3e-3 the better rate
+    _finish(c)
+    with open(os.path.join(c.config.run_dir, "summary.json"), "w") as f:
+      json.dump({"steps": c.config.train.last_step, "eval": {metric: sign * (1.0 if c.lr == 1e-3 else 0.5)}}, f)
+  cells = _cells(sweep, *extra)
+  assert [(c.model, c.seed, c.lr) for c in cells if c.model == "attention"] == [
+      ("attention", 0, 1e-3), ("attention", 0, 3e-3), ("attention", 1, 3e-3), ("attention", 2, 3e-3)]
+  assert [(c.seed, c.lr) for c in cells if c.model == "gdn"] == [(0, 1e-3), (0, 3e-3)]
+  assert pieces.plan(cells, ["next"]) == [(1, 0), (0, None)]
+  cmd = pieces.job_command(sweep, list(extra), 0, 2, None, 3)
+  assert not any("sweep.seeds=(" in part and "tune" not in part for part in cmd[-6:])
+  # a job for seed 1 alone (its seeds overridden) still finds the rate that seed 0 picked
+  only_1 = _cells(sweep, "sweep.seeds=(1,)", "sweep.tune_seeds=(0,)")
+  assert [(c.model, c.seed, c.lr) for c in only_1] == [("attention", 1, 3e-3)]
+  # one rate: nothing to tune, every seed listed at once
+  one_rate = _cells(sweep, "sweep.seeds=(0,1)", "sweep.tune_seeds=(0,)", "sweep.learning_rates=(1e-3,)")
+  assert [(c.model, c.seed) for c in one_rate] == [("attention", 0), ("attention", 1), ("gdn", 0), ("gdn", 1)]

@@ -236,3 +236,27 @@ def test_report_names_the_cells_that_picked_an_end_of_the_rate_grid(tmp_path):
           "would tell): attention: 3 of 3 seeds at the highest (4e-03); deltanet: 2 of 3 seeds at the lowest "
           "(1e-03).") in table
   assert "gated_deltanet:" not in table
+
+
+def test_with_tuning_seeds_every_seed_is_reported_at_the_rate_the_tuning_seeds_picked(tmp_path):
+  """sweep.tune_seeds=(0,): the report takes seeds 0-2 at the rate seed 0 did best at, though seed 1's own best
+  would be another (its other rates are not cells of the sweep), and names a model whose seed 0 is still
+  missing a rate as still tuning."""
+  config = apply_overrides(load(os.path.join(ROOT, "configs", "mqar.py") + ":small"),
+                           ("sweep.learning_rates=(1e-3,2e-3,4e-3)", "sweep.seeds=(0,1,2)", "sweep.tune_seeds=(0,)"))
+  seed0 = {1e-3: 0.5, 2e-3: 0.9, 4e-3: 0.7}
+  for cell in expand(config, results=str(tmp_path)):
+    if cell.model == "deltanet" or (cell.model == "attention" and cell.lr < 4e-3):
+      _fake_run(cell, {cell.config.train.last_step: seed0[cell.lr]}, metric="accuracy", split="T64_P4")
+  cells = expand(config, results=str(tmp_path))
+  assert sorted((c.seed, c.lr) for c in cells if c.model == "deltanet" and c.seed > 0) == [(1, 2e-3), (2, 2e-3)]
+  assert not any(c.model == "attention" and c.seed > 0 for c in cells)  # its 4e-3 unfinished: no rate yet
+  for cell in cells:
+    if cell.model == "deltanet" and cell.seed > 0:
+      _fake_run(cell, {cell.config.train.last_step: 0.8 + 0.02 * cell.seed}, metric="accuracy", split="T64_P4")
+  table = open(write_report(cells, str(tmp_path), title="t")["table.md"]).read()
+  assert "every seed at the rate whose mean over seed 0 is best, from [0.001, 0.002, 0.004]" in table
+  assert "| deltanet | 0.853 ± 0.034 (lr 2e-03 ×3) |" in table
+  assert "| attention | 0.900 (lr 2e-03) |" in table
+  assert "Still tuning (seed 0 has not finished every rate, so the rate may change): attention." in table
+  assert "median over seeds is best" not in table

@@ -9,8 +9,9 @@ import json
 import os
 
 import ml_collections
+import numpy as np
 
-from gdn.sweep.records import finished_record
+from gdn.sweep.records import finished_record, record_dir
 from gdn.train.config import ExperimentConfig, from_dict
 from gdn.train.config_file import apply_overrides
 from gdn.train.loop import NonFiniteLoss, train
@@ -41,25 +42,70 @@ def results_dir(config: ml_collections.ConfigDict) -> str:
 
 
 def expand(config: ml_collections.ConfigDict, results: str = "") -> list:
-  """Every cell of the sweep declared in `config.sweep`, in a fixed order (models, settings, seeds, lrs)."""
+  """Every cell of the sweep declared in `config.sweep`, in a fixed order (models, settings, seeds, lrs).
+
+  With `sweep.tune_seeds`, a seed outside them has one cell per (model, setting), at `tuned_rate`, and none
+  while that rate is not known yet (a tuning seed's cell unfinished): a later call lists them."""
   results = results or results_dir(config)
   sweep = from_dict(config.to_dict()).sweep
   models = sweep.models or {config.name: ()}
   settings = sweep.settings or {"base": ()}
   lrs = sweep.learning_rates or (config.train.learning_rate,)
+  tuning = tuning_seeds(sweep)
+
+  def make(model, setting, overrides, seed, lr):
+    c = copy.deepcopy(config)
+    apply_overrides(c, overrides)
+    cell = Cell(model, setting, int(seed), float(lr), None)
+    c.seed, c.train.learning_rate = int(seed), float(lr)
+    c.name = cell.id
+    c.workdir = os.path.join(results, "runs", cell.id)
+    return dataclasses.replace(cell, config=from_dict(c.to_dict()))
+
   cells = []
   for model, model_overrides in models.items():
     for setting, setting_overrides in settings.items():
+      overrides = tuple(model_overrides) + tuple(setting_overrides)
+      tuned = None
+      if tuning and any(int(s) not in tuning for s in sweep.seeds):
+        tuned = tuned_rate([make(model, setting, overrides, s, lr) for s in tuning for lr in lrs], sweep.metric,
+                           sweep.mode)
       for seed in sweep.seeds:
         for lr in lrs:
-          c = copy.deepcopy(config)
-          apply_overrides(c, tuple(model_overrides) + tuple(setting_overrides))
-          cell = Cell(model, setting, int(seed), float(lr), None)
-          c.seed, c.train.learning_rate = int(seed), float(lr)
-          c.name = cell.id
-          c.workdir = os.path.join(results, "runs", cell.id)
-          cells.append(dataclasses.replace(cell, config=from_dict(c.to_dict())))
+          if not tuning or int(seed) in tuning or (tuned is not None and float(lr) == tuned):
+            cells.append(make(model, setting, overrides, seed, lr))
   return cells
+
+
+def tuning_seeds(sweep) -> tuple:
+  """The seeds that tune the rate (`SweepConfig.tune_seeds`); none where the grid has one rate."""
+  return tuple(int(s) for s in sweep.tune_seeds) if len(sweep.learning_rates) > 1 else ()
+
+
+def final_eval(cell: Cell):
+  """The final evaluation (metric -> value) of a finished cell, from its run or its committed record; None
+  while it has not finished."""
+  for run_dir, is_done in ((cell.config.run_dir, finished(cell.config)),
+                           (record_dir(cell.config.run_dir), finished_record(cell.config))):
+    if is_done:
+      with open(os.path.join(run_dir, "summary.json")) as f:
+        return json.load(f)["eval"]
+  return None
+
+
+def tuned_rate(cells, metric: str, mode: str):
+  """The learning rate with the best mean final `metric` over the cells of one (model, setting) at each rate
+  (the tuning seeds' cells, every rate), or None while one of them has not finished. A rate where any seed
+  ended non-finite loses; ties go to the lower rate."""
+  by_lr = {}
+  for cell in cells:
+    result = final_eval(cell)
+    if result is None:
+      return None
+    by_lr.setdefault(cell.lr, []).append(float(result.get(metric, float("nan"))))
+  sign = -1.0 if mode == "max" else 1.0
+  score = {lr: sign * float(np.mean(v)) if np.all(np.isfinite(v)) else float("inf") for lr, v in by_lr.items()}
+  return min(sorted(score), key=lambda lr: score[lr])
 
 
 def done(cell: Cell) -> bool:

@@ -14,6 +14,7 @@ import numpy as np
 
 from gdn.data import make_task
 from gdn.sweep import published, records
+from gdn.sweep.grid import tuning_seeds
 from gdn.train.config import to_dict
 from gdn.train.metrics import read_jsonl
 from gdn.train.workdir import finished
@@ -87,6 +88,31 @@ def best_per_seed(rows, metric: str, mode: str) -> list:
   return list(best.values())
 
 
+def at_tuned_rate(rows, tuning, grid, metric: str, mode: str):
+  """The tuned protocol (`sweep.tune_seeds`): for each (model, setting) the rows of every seed at the rate with
+  the best mean over the tuning seeds (`gdn.sweep.grid.tuned_rate`'s rule, over the rates they have finished so
+  far), and the groups whose tuning seeds have not finished every rate of `grid` (their pick may still change)."""
+  tuning = set(tuning)
+  by_group = {}
+  for r in rows:
+    by_group.setdefault((r["model"], r["setting"]), []).append(r)
+  sign = -1.0 if mode == "max" else 1.0
+  out, unfinished = [], []
+  for key, rs in by_group.items():
+    by_lr = {}
+    for r in rs:
+      if r["seed"] in tuning:
+        by_lr.setdefault(r["lr"], []).append(float(r.get(f"eval/{metric}", np.nan)))
+    if not by_lr:
+      continue
+    if len(tuning) * len(grid) > sum(len(v) for v in by_lr.values()):
+      unfinished.append(key)
+    score = {lr: sign * float(np.mean(v)) if np.all(np.isfinite(v)) else np.inf for lr, v in by_lr.items()}
+    pick = min(sorted(score), key=lambda lr: score[lr])
+    out += [r for r in rs if r["lr"] == pick]
+  return out, unfinished
+
+
 def summarize(rows, metric: str, by=("model", "setting")) -> dict:
   """key (the values of `by`) -> (mean, std, n, the runs' learning rates) over seeds."""
   groups = {}
@@ -121,6 +147,11 @@ def _by_model_and_setting(models, settings, text) -> list:
   """A markdown table, one row per model and one column per setting, the cells `text(model, setting)`."""
   return ["| model | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"] + [
       f"| {m} | " + " | ".join(text(m, s) for s in settings) + " |" for m in models]
+
+
+def _label(key, settings) -> str:
+  """A (model, setting) as "model", or "model/setting" where the sweep has several settings."""
+  return key[0] if len(settings) < 2 else f"{key[0]}/{key[1]}"
 
 
 def _cell(mean: float, std: float, n: int) -> str:
@@ -173,7 +204,12 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
   rows = collect(cells)
   if not rows:
     raise FileNotFoundError(f"no finished runs under {out_dir}/runs or {out_dir}/records")
-  best = best_per_seed(rows, metric, mode)
+  grid = sorted({c.lr for c in cells} | {r["lr"] for r in rows})
+  tuning = tuning_seeds(sweep)
+  if tuning:
+    best, unfinished = at_tuned_rate(rows, tuning, grid, metric, mode)
+  else:
+    best, unfinished = best_per_seed(rows, metric, mode), []
   summary = summarize(best, metric)
   chance = chance_level(cells, metric)
   models = list(dict.fromkeys(c.model for c in cells))
@@ -191,9 +227,14 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
       w.writeheader()
       w.writerows(rs)
 
+  protocol = (f"every seed at the rate whose mean over seed{'s' if len(tuning) > 1 else ''} "
+              f"{', '.join(map(str, tuning))} is best, from {grid} (the other seeds ran that rate only); the rate "
+              "below" if tuning else f"each seed at its best learning rate from {grid}; the rates picked below")
   lines = [f"# {title or os.path.basename(out_dir)}", "",
-           f"Final eval `{metric}`: mean ± std over {len(sweep.seeds)} seed(s) (std over seeds, ddof 0), each "
-           f"seed at its best learning rate from {sorted({c.lr for c in cells})}; the rates picked below."
+           f"Final eval `{metric}`: mean ± std over {len(sweep.seeds)} seed(s) (std over seeds, ddof 0), "
+           f"{protocol}."
+           + (f" Still tuning (seed{'s' if len(tuning) > 1 else ''} {', '.join(map(str, tuning))} "
+              f"{'have' if len(tuning) > 1 else 'has'} not finished every rate, so the rate may change): {', '.join(_label(key, settings) for key in unfinished)}." if unfinished else "")
            + ("" if chance is None else f" Chance: {chance:.4g}.")
            + f" Runs finished: {len(rows)} of {len(cells)}."
            + (f" {len(no_history)} of them have no metrics history (records of an earlier results.csv, "
@@ -208,7 +249,7 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
     return f"{_cell(mean, std, n)} (lr {_rates(lrs)})"
 
   lines += _by_model_and_setting(models, settings, best_rates)
-  edges = grid_edges(summary, sorted({c.lr for c in cells}), len(settings) > 1)
+  edges = grid_edges(summary, grid, len(settings) > 1)
   if edges:
     lines += ["", "Picked at an end of the rate grid, so the best rate may lie outside it (a grid widened for every "
               "model would tell): " + "; ".join(edges) + "."]
@@ -239,7 +280,7 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
       return ", ".join(f"{b}" if b == n else f"{b} of {n}" for b, n in cuts) or "–"
 
     lines.append("| budget | " + " | ".join(budget(s) for s in settings) + " |")
-  lrs = sorted({c.lr for c in cells})
+  lrs = grid
   if len(lrs) > 1:  # a winner that flips with the rate shows here
     by_lr = summarize(rows, metric, by=("model", "setting", "lr"))
     lines += ["", f"Every learning rate (`{metric}`, mean ± std over seeds):", "",
@@ -250,7 +291,7 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
         if any((m, s, lr) in by_lr for lr in lrs):
           lines.append(f"| {m} | {s} | " + " | ".join(
               _cell(*by_lr[(m, s, lr)][:3]) if (m, s, lr) in by_lr else "–" for lr in lrs) + " |")
-  if len(sweep.seeds) > 1:
+  if len(sweep.seeds) > 1 and not tuning:  # (tuned: the seeds after the tuning ones ran one rate)
     lines += ["", f"One rate per cell, the one whose median over seeds is best (Grazzi et al.'s rule): the best "
               f"seed; the median ± median absolute deviation (`{metric}`):", ""]
 

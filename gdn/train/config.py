@@ -124,6 +124,10 @@ class SweepConfig:
   settings: dict = dataclasses.field(default_factory=dict)  # empty = one setting, the base config
   seeds: tuple = (0,)
   learning_rates: tuple = ()  # empty = the base learning rate; else the best per cell is kept
+  # The seeds that tune the rate: empty = every seed runs every rate and each keeps its best; else these seeds
+  # run every rate, and the others only the rate with the best mean over these (per model and setting), once
+  # all of these have finished (gdn.sweep.grid.tuned_rate); the report then takes every seed at that rate.
+  tune_seeds: tuple = ()
   metric: str = "accuracy"  # final eval metric that picks the learning rate and fills the table
   mode: str = "max"  # "max" | "min"
   x_key: str = ""  # a config key to plot the metric against (e.g. "model.d_model")
@@ -140,6 +144,8 @@ class SweepConfig:
           raise ValueError(f"{group}.{name} must be a tuple of 'key=value' strings, got {overrides!r}")
     if not self.seeds:
       raise ValueError("seeds must not be empty")
+    if isinstance(self.tune_seeds, (str, int)) or any(not isinstance(s, int) for s in self.tune_seeds):
+      raise ValueError(f"tune_seeds must be a tuple of ints (seeds), got {self.tune_seeds!r}")
     for name, spec in self.published.items():
       missing = {"source", "metric", "reference", "values"} - set(spec)
       if missing:
