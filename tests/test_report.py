@@ -64,7 +64,35 @@ def test_a_cell_stopped_by_a_non_finite_step_does_not_end_the_sweep(tmp_path, mo
   lines = []
   grid.run_cells(cells, log=lines.append)
   assert trained == [c.id for c in cells]
-  assert f"{cells[0].id} stopped, left out of the report: step 7" in "\n".join(lines)
+  assert f"{cells[0].id} stopped, left out of the report's means: step 7" in "\n".join(lines)
+  # marked: done for the sweep (not trained again), and the reason kept
+  from gdn.sweep import done, records
+  assert done(cells[0]) and not done(cells[1])
+  assert records.nonfinite(cells[0].config).startswith("step 7: loss nan")
+  trained.clear()
+  grid.run_cells(cells, log=lines.append)
+  assert trained == [c.id for c in cells[1:]]
+
+
+def test_a_stacked_cell_stopped_by_non_finite_steps_is_marked_and_not_trained_again(tmp_path, monkeypatch):
+  from gdn.sweep import done, grid, records
+
+  config = apply_overrides(load(os.path.join(ROOT, "configs", "hybrid.py") + ":small"),
+                           ("sweep.learning_rates=(1e-3,3e-3)",))
+  cells = expand(config, results=str(tmp_path))[:2]  # one group's two rates
+  calls = []
+
+  def train_stacked(cfgs, log):
+    calls.append([c.name for c in cfgs])
+    return [{"steps": 1}, None]
+
+  monkeypatch.setattr(grid, "train_stacked", train_stacked)
+  lines = []
+  grid.run_cells(cells, stack=True, log=lines.append)
+  assert calls == [[c.id for c in cells]]
+  assert f"{cells[1].id} stopped by non-finite steps" in "\n".join(lines)
+  assert done(cells[1]) and "stacked program" in records.nonfinite(cells[1].config)
+  assert grid.stacks(cells) == [[cells[0]]]  # the stopped cell joins no new piece
 
 
 def test_report_shows_mean_and_std_over_seeds_the_rates_picked_and_every_rate(tmp_path):
@@ -260,3 +288,13 @@ def test_with_tuning_seeds_every_seed_is_reported_at_the_rate_the_tuning_seeds_p
   assert "| attention | 0.900 (lr 2e-03) |" in table
   assert "Still tuning (seed 0 has not finished every rate, so the rate may change): attention." in table
   assert "median over seeds is best" not in table
+  # attention's 4e-3 stopped by non-finite steps: a result, its rate loses, the tuning is complete
+  from gdn.sweep import records
+  stopped = next(c for c in cells if c.model == "attention" and c.lr == 4e-3)
+  records.mark_nonfinite(stopped.config.run_dir, "step 9: loss nan, gradient norm nan: not finite, stopped")
+  cells = expand(config, results=str(tmp_path))
+  assert sorted((c.seed, c.lr) for c in cells if c.model == "attention" and c.seed > 0) == [(1, 2e-3), (2, 2e-3)]
+  table = open(write_report(cells, str(tmp_path), title="t")["table.md"]).read()
+  assert f"Stopped by non-finite steps, so without a result (their rate lost): {stopped.id}." in table
+  assert "Still tuning" not in table
+  assert os.path.exists(os.path.join(tmp_path, "records", stopped.id, records.NONFINITE))

@@ -11,7 +11,7 @@ import os
 import ml_collections
 import numpy as np
 
-from gdn.sweep.records import finished_record, record_dir
+from gdn.sweep.records import finished_record, mark_nonfinite, nonfinite, record_dir
 from gdn.train.config import ExperimentConfig, from_dict
 from gdn.train.config_file import apply_overrides
 from gdn.train.loop import NonFiniteLoss, train
@@ -83,14 +83,14 @@ def tuning_seeds(sweep) -> tuple:
 
 
 def final_eval(cell: Cell):
-  """The final evaluation (metric -> value) of a finished cell, from its run or its committed record; None
-  while it has not finished."""
+  """The final evaluation (metric -> value) of a finished cell, from its run or its committed record ({} for a
+  cell that non-finite steps stopped); None while it has not finished."""
   for run_dir, is_done in ((cell.config.run_dir, finished(cell.config)),
                            (record_dir(cell.config.run_dir), finished_record(cell.config))):
     if is_done:
       with open(os.path.join(run_dir, "summary.json")) as f:
         return json.load(f)["eval"]
-  return None
+  return {} if nonfinite(cell.config) else None
 
 
 def tuned_rate(cells, metric: str, mode: str):
@@ -109,8 +109,9 @@ def tuned_rate(cells, metric: str, mode: str):
 
 
 def done(cell: Cell) -> bool:
-  """Whether the cell has finished: its run, or its committed record (`gdn.sweep.records`)."""
-  return finished(cell.config) or finished_record(cell.config)
+  """Whether the cell has finished: its run, or its committed record (`gdn.sweep.records`), or non-finite steps
+  stopped it (`records.nonfinite`)."""
+  return finished(cell.config) or finished_record(cell.config) or bool(nonfinite(cell.config))
 
 
 def shard_cells(cells, shard: int = 0, num_shards: int = 1) -> list:
@@ -131,7 +132,8 @@ def groups(cells) -> list:
 def run_cells(cells, shard: int = 0, num_shards: int = 1, log=print, stack: bool = False,
               stack_size: int = 0) -> None:
   """Trains this shard's cells (`shard_cells`), skipping finished ones; an interrupted cell resumes from its
-  checkpoint. A cell stopped by a non-finite step (train.skip_nonfinite) is logged and has no summary.
+  checkpoint. A cell stopped by non-finite steps (train.skip_nonfinite) is logged, has no summary and is marked
+  (`records.mark_nonfinite`): the sweep counts it done, and its report names it.
 
   stack: train each (model, setting) group's cells as one program (gdn/train/stacked.py), at most `stack_size`
   cells each (0: the whole group); a group whose cells have all finished is skipped.
@@ -148,7 +150,8 @@ def run_cells(cells, shard: int = 0, num_shards: int = 1, log=print, stack: bool
     try:
       train(cell.config, log=log)
     except NonFiniteLoss as e:  # a diverging cell (a learning rate too high) is a result, not the sweep's end
-      log(f"[{i + 1}/{len(mine)}] {cell.id} stopped, left out of the report: {e}")
+      mark_nonfinite(cell.config.run_dir, str(e))
+      log(f"[{i + 1}/{len(mine)}] {cell.id} stopped, left out of the report's means: {e}")
 
 
 def stacks(cells, stack_size: int = 0) -> list:
@@ -190,4 +193,8 @@ def _run_stacked(cells, stack_size: int, log) -> None:
   pieces = stacks(cells, stack_size)
   for i, piece in enumerate(pieces):
     log(f"[{i + 1}/{len(pieces)}] stacked: {', '.join(c.id for c in piece)}")
-    train_stacked([c.config for c in piece], log=log)
+    for cell, summary in zip(piece, train_stacked([c.config for c in piece], log=log)):
+      if summary is None:
+        mark_nonfinite(cell.config.run_dir, f"non-finite steps stopped it in a stacked program "
+                                            f"(train.skip_nonfinite={cell.config.train.skip_nonfinite})")
+        log(f"{cell.id} stopped by non-finite steps, left out of the report's means")

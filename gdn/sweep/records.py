@@ -17,7 +17,8 @@ from gdn.train.metrics import read_jsonl
 from gdn.train.workdir import finished
 
 MAX_TRAIN_POINTS = 200
-COPIED = ("summary.json", "config.json")
+NONFINITE = "nonfinite.json"  # a sweep's mark of a cell that non-finite steps stopped: a result, trained no more
+COPIED = ("summary.json", "config.json", NONFINITE)
 
 
 def record_dir(run_dir: str) -> str:
@@ -45,6 +46,25 @@ def save(run_dir: str) -> str:
       if i in keep or is_eval[i]:
         f.write(json.dumps(r) + "\n")
   return dest
+
+
+def mark_nonfinite(run_dir: str, why: str) -> None:
+  """Marks the cell of `run_dir` as stopped by non-finite steps (`why`, the loop's message): a sweep counts it
+  done (a rate that diverged is a result) and its report names it. The run itself stays resumable by gdn-train
+  (with a larger train.skip_nonfinite, say) once the mark is deleted."""
+  os.makedirs(run_dir, exist_ok=True)
+  with open(os.path.join(run_dir, NONFINITE), "w") as f:
+    json.dump({"stopped": why}, f)
+
+
+def nonfinite(cfg) -> str:
+  """Why the cell of `cfg` was stopped by non-finite steps, from its run's mark or its record's; "" if it was not."""
+  for d in (cfg.run_dir, record_dir(cfg.run_dir)):
+    path = os.path.join(d, NONFINITE)
+    if os.path.exists(path):
+      with open(path) as f:
+        return json.load(f).get("stopped") or "non-finite steps"
+  return ""
 
 
 def finished_record(cfg) -> bool:

@@ -42,6 +42,9 @@ def collect(cells) -> list:
     if os.path.exists(os.path.join(src, "summary.json")) and (
         finished(cell.config) or not records.finished_record(cell.config)):
       src = records.save(src)
+    elif os.path.exists(os.path.join(src, records.NONFINITE)):  # stopped by non-finite steps: a record, no row
+      records.save(src)
+      continue
     else:
       src = records.record_dir(src)
     path = os.path.join(src, "summary.json")
@@ -88,10 +91,12 @@ def best_per_seed(rows, metric: str, mode: str) -> list:
   return list(best.values())
 
 
-def at_tuned_rate(rows, tuning, grid, metric: str, mode: str):
+def at_tuned_rate(rows, tuning, grid, metric: str, mode: str, stopped=()):
   """The tuned protocol (`sweep.tune_seeds`): for each (model, setting) the rows of every seed at the rate with
   the best mean over the tuning seeds (`gdn.sweep.grid.tuned_rate`'s rule, over the rates they have finished so
-  far), and the groups whose tuning seeds have not finished every rate of `grid` (their pick may still change)."""
+  far; a rate where one of them was stopped by non-finite steps, `stopped` holding its (model, setting, seed,
+  lr), loses), and the groups whose tuning seeds have not finished every rate of `grid` (their pick may still
+  change)."""
   tuning = set(tuning)
   by_group = {}
   for r in rows:
@@ -100,6 +105,9 @@ def at_tuned_rate(rows, tuning, grid, metric: str, mode: str):
   out, unfinished = [], []
   for key, rs in by_group.items():
     by_lr = {}
+    for model, setting, seed, lr in stopped:
+      if (model, setting) == key and seed in tuning:
+        by_lr.setdefault(lr, []).append(np.nan)
     for r in rs:
       if r["seed"] in tuning:
         by_lr.setdefault(r["lr"], []).append(float(r.get(f"eval/{metric}", np.nan)))
@@ -204,10 +212,13 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
   rows = collect(cells)
   if not rows:
     raise FileNotFoundError(f"no finished runs under {out_dir}/runs or {out_dir}/records")
+  has_row = {(r["model"], r["setting"], r["seed"], r["lr"]) for r in rows}
+  stopped = [c for c in cells if (c.model, c.setting, c.seed, c.lr) not in has_row and records.nonfinite(c.config)]
   grid = sorted({c.lr for c in cells} | {r["lr"] for r in rows})
   tuning = tuning_seeds(sweep)
   if tuning:
-    best, unfinished = at_tuned_rate(rows, tuning, grid, metric, mode)
+    best, unfinished = at_tuned_rate(rows, tuning, grid, metric, mode,
+                                     [(c.model, c.setting, c.seed, c.lr) for c in stopped])
   else:
     best, unfinished = best_per_seed(rows, metric, mode), []
   summary = summarize(best, metric)
@@ -237,6 +248,8 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
               f"{'have' if len(tuning) > 1 else 'has'} not finished every rate, so the rate may change): {', '.join(_label(key, settings) for key in unfinished)}." if unfinished else "")
            + ("" if chance is None else f" Chance: {chance:.4g}.")
            + f" Runs finished: {len(rows)} of {len(cells)}."
+           + (f" Stopped by non-finite steps, so without a result (their rate lost): "
+              f"{', '.join(c.id for c in stopped)}." if stopped else "")
            + (f" {len(no_history)} of them have no metrics history (records of an earlier results.csv, "
               "`gdn.sweep.records.import_csv`): their curves and per-evaluation values are missing."
               if no_history else "")
