@@ -33,7 +33,8 @@ CONV_LAX = False
 # The conv and its SiLU as Pallas kernels (`gdn.layers.conv_kernel`): one pass over x forward and two backward,
 # float32 arithmetic, no shifted copies; a model's q, k and v convolved each in place (`ShortConv` given the parts)
 # so that their concatenation is never written. Shapes the kernels decline (T or C not a multiple of a block) keep
-# the other paths. Off until the card has timed it: `experiments/bench_conv.py --switch layers.conv.CONV_KERNEL=off,on`.
+# the other paths. Off: on the H200 no faster than the taps and the layer's peak unchanged (docs/benchmarks.md,
+# "On the card neither switch pays"; `experiments/bench_conv.py --switch layers.conv.CONV_KERNEL=off,on`).
 # Read at trace time; takes precedence over CONV_VJP and CONV_LAX where on.
 CONV_KERNEL = False
 
