@@ -15,6 +15,8 @@ the process's. Rows keep the tokens per batch fixed (B = tokens // T).
   python -m experiments.bench_layer_fla --lengths 8192 --method pallas --switch layers.conv.CONV_VJP=off,on
   python -m experiments.bench_layer_fla --lengths 8192 --method pallas --peak 25 \
       --switch ops.intra_chunk.LOWP_SOLVE=off,on --switch ops.intra_chunk.LOCAL_VJP=off,on   # four gdn rows
+  python -m experiments.bench_layer_fla --lengths 8192 --method pallas --sides gdn --peak 24 \
+      --xla-flags= --xla-flags=--xla_gpu_enable_latency_hiding_scheduler=true   # a row per set of XLA flags
   python -m experiments.bench_layer_fla --preset cpu --sides gdn          # a CPU smoke run (fla needs CUDA)
 
 fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1 (a numerics guard); for timing only the
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -52,9 +55,10 @@ def gdn_side(a, T: int, remat: str = "none", local_groups: int = 1) -> dict:
   peak = device_memory_stats().get("peak_bytes_in_use")
   out = dict(ms=ms, peak=peak, estimate=compiled_bytes(compiled))
   if a.peak:
-    from gdn.bench.peak import grouped, live_at_peak
+    from gdn.bench.peak import allocation_line, grouped, live_at_peak
     live = live_at_peak(lowered)
-    out["live"] = dict(total=live["total"], rows=grouped(live["buffers"], a.peak))
+    out["live"] = dict(total=live["total"], rows=grouped(live["buffers"], a.peak), allocation=allocation_line(live),
+                       slices=live["slices"][:a.peak])
   return out
 
 
@@ -127,22 +131,29 @@ def parse_args(argv=None):
   p.add_argument("--sides", nargs="*", default=["gdn", "fla"], choices=sorted(SIDES))
   p.add_argument("--peak", type=int, default=0, metavar="N",
                  help="also list the N largest groups of buffers live at gdn's memory peak (XLA's buffer assignment, "
-                      "gdn.bench.peak) and of the tensors fla's autograd keeps for the backward")
+                      "gdn.bench.peak), XLA's allocation beside that live set with its N largest slices, and the "
+                      "tensors fla's autograd keeps for the backward")
   p.add_argument("--switch", action="append", metavar="MODULE.NAME=off,on",
                  help="a module switch under gdn (e.g. layers.conv.CONV_VJP=off,on): one gdn row per setting; "
                       "repeated, one row per combination")
+  p.add_argument("--xla-flags", action="append", metavar="FLAGS",
+                 help="XLA flags for gdn's process (e.g. '--xla_gpu_enable_latency_hiding_scheduler=true'; '' for "
+                      "none): one gdn row per --xla-flags given, beside each remat, group count and switch setting")
   add_autotune_cache(p)
   p.add_argument("--worker", nargs=5, metavar=("SIDE", "T", "REMAT", "GROUPS", "SETTING"), help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   return apply_preset(a, PRESETS[a.preset], "lengths")
 
 
-def measure(side: str, T: int, remat: str, argv, local_groups: int = 1, setting: str = "-") -> dict:
-  """One (side, T, gdn remat, gdn local_groups, gdn switch setting) in a fresh process; its result, or the last
-  line of its error."""
+def measure(side: str, T: int, remat: str, argv, local_groups: int = 1, setting: str = "-", xla_flags: str = "") -> dict:
+  """One (side, T, gdn remat, gdn local_groups, gdn switch setting, gdn XLA flags) in a fresh process; its result,
+  or the last line of its error. The flags go to the process's XLA_FLAGS, after any it inherits."""
   cmd = [sys.executable, "-m", "experiments.bench_layer_fla", *argv, "--worker", side, str(T), remat,
          str(local_groups), setting]
-  p = subprocess.run(cmd, capture_output=True, text=True)
+  env = dict(os.environ)
+  if xla_flags:
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
+  p = subprocess.run(cmd, capture_output=True, text=True, env=env)
   lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
   if lines:
     return json.loads(lines[-1][len("RESULT "):])
@@ -164,22 +175,24 @@ def main(argv=None) -> list:
   ms = lambda r: f"{r['ms']:.2f}" if "ms" in r else r.get("error", "-")
   print(f"# one Gated DeltaNet layer, fwd+bwd: d_model {a.d_model}, {a.heads} heads x {a.head_dim}, {a.tokens} "
         f"tokens a batch, bfloat16 activations, float32 parameters; gdn method {a.method}; median of {a.reps}")
-  switch = " | gdn switch" if a.switch else ""
+  flag_sets = a.xla_flags or [""]
+  switch = (" | gdn switch" if a.switch else "") + (" | gdn XLA flags" if a.xla_flags else "")
   print(f"| T | B | gdn remat | gdn local_groups{switch} | gdn ms | fla ms | gdn / fla | gdn peak GiB | fla peak GiB | "
         "gdn XLA estimate GiB |")
-  print("|---:|---:|---|---:|" + ("---|" if a.switch else "") + "---:|---:|---:|---:|---:|---:|")
+  print("|---:|---:|---|---:|" + ("---|" if a.switch else "") + ("---|" if a.xla_flags else "") +
+        "---:|---:|---:|---:|---:|---:|")
   rows = []
   for T in a.lengths:
     f = measure("fla", T, "none", argv) if "fla" in a.sides else {}
-    for remat, groups, setting in ((r, int(G), S) for r in a.remats.split(",") for G in a.local_groups.split(",")
-                                   for S in settings):
-      g = measure("gdn", T, remat, argv, groups, setting) if "gdn" in a.sides else {}
+    for remat, groups, setting, flags in ((r, int(G), S, F) for r in a.remats.split(",")
+                                          for G in a.local_groups.split(",") for S in settings for F in flag_sets):
+      g = measure("gdn", T, remat, argv, groups, setting, flags) if "gdn" in a.sides else {}
       ratio = f"{g['ms'] / f['ms']:.2f}x" if "ms" in g and "ms" in f else "-"
       est = f"{g['estimate'] / 2**30:.2f}" if g.get("estimate") else "-"
-      cell = f" | {setting_label(setting)}" if a.switch else ""
+      cell = (f" | {setting_label(setting)}" if a.switch else "") + (f" | {flags or '-'}" if a.xla_flags else "")
       print(f"| {T} | {a.tokens // T} | {remat} | {groups}{cell} | {ms(g)} | {ms(f)} | {ratio} | {gib(g)} | {gib(f)} | "
             f"{est} |", flush=True)
-      rows.append(dict(T=T, remat=remat, local_groups=groups, setting=setting,
+      rows.append(dict(T=T, remat=remat, local_groups=groups, setting=setting, xla_flags=flags,
                        **{f"{s}_{k}": v for s, r in (("gdn", g), ("fla", f)) for k, v in r.items()}))
   tables, fla_shown = [], set()  # fla's table once per length (one fla process per T), gdn's per row
   for r in rows:
@@ -187,13 +200,18 @@ def main(argv=None) -> list:
       fla_shown.add(r["T"])
       tables.append((f"kept by fla's autograd for the backward, T {r['T']}", r["fla_live"]))
     if r.get("gdn_live"):
-      switch = f", {r['setting']}" if r["setting"] != "-" else ""
+      switch = (f", {r['setting']}" if r["setting"] != "-" else "") + (f", {r['xla_flags']}" if r["xla_flags"] else "")
       tables.append((f"live at gdn's peak (XLA's buffer assignment), T {r['T']}, remat {r['remat']}, "
                      f"local_groups {r['local_groups']}{switch}", r["gdn_live"]))
   for what, live in tables:
     print(f"\n{what}: {live['total'] / 2**20:,.1f} MiB\n| MiB | buffers | shape | made by |\n|---:|---:|---|---|")
     for nbytes, count, shape, op in live["rows"]:
       print(f"| {nbytes / 2**20:,.1f} | {count} | {shape} | {op} |")
+    if live.get("allocation"):  # gdn's: the allocator's peak beside the live set, and the block's largest slices
+      print(f"\n{live['allocation']}; the largest slices of XLA's memory-usage report (the values that share each):"
+            "\n| MiB | offset MiB | values | shapes |\n|---:|---:|---:|---|")
+      for r in live["slices"]:
+        print(f"| {r['bytes'] / 2**20:,.1f} | {r['offset'] / 2**20:,.1f} | {r['values']} | {r['shapes']} |")
   return rows
 
 

@@ -1,5 +1,7 @@
 """experiments/bench_layers.py runs at a tiny size: one table row per sequence length, positive timings."""
 
+import os
+
 from experiments.bench_layers import main
 
 
@@ -45,3 +47,18 @@ def test_bench_layer_fla_gdn_side_on_cpu(capsys, monkeypatch):
     assert float(cells[4]) > 0 and cells[5] == "-" and cells[6] == "-", cells  # gdn ms; no fla ms, no ratio
     assert float(cells[9]) >= 0 and r["gdn_estimate"] > 0  # XLA's estimate (the CPU has no allocator peak)
     assert r["gdn_ms"] > 0 and "fla_ms" not in r
+
+
+def test_bench_layer_fla_xla_flags_reach_gdns_process_one_row_each(capsys, monkeypatch, tmp_path):
+  """--xla-flags: a gdn row per set given, each process compiling with those flags (here a dump directory, which
+  then holds XLA's files) and the table naming them; the empty set adds nothing."""
+  from experiments import bench_layer_fla
+
+  monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+  dump = tmp_path / "dump"
+  rows = bench_layer_fla.main(["--preset", "cpu", "--d-model", "32", "--tokens", "128", "--reps", "1", "--sides",
+                               "gdn", "--method", "chunk", "--xla-flags=", f"--xla-flags=--xla_dump_to={dump}"])
+  lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 128 |")]
+  assert [r["xla_flags"] for r in rows] == ["", f"--xla_dump_to={dump}"] and all(r["gdn_ms"] > 0 for r in rows)
+  assert [line.split("|")[5].strip() for line in lines] == ["-", f"--xla_dump_to={dump}"]
+  assert any(name.endswith(".txt") for name in os.listdir(dump))

@@ -57,6 +57,28 @@ def test_the_layer_buffers_are_named_by_stage():
   for stage in ("short_conv", "chunk_local"):
     assert stage in names, names
   assert 0.5 < out["live"]["total"] / out["estimate"] < 1.5
+  assert out["live"]["allocation"].startswith("XLA's allocation ") and "holds no live buffer there" in \
+      out["live"]["allocation"]
+
+
+def test_the_allocation_and_its_slices_are_read_with_the_live_set():
+  """XLA's memory analysis comes back beside the live set, and the memory-usage report's slices parse: each
+  names its size, offset and the values sharing it; the slices of the one block of temporaries hold every
+  temporary byte."""
+  from gdn.bench.peak import allocation_line, slices
+  x, w = jnp.ones((512, 256)), jnp.ones((256, 1024))
+  peak = live_at_peak(jax.jit(jax.grad(_loss, argnums=(0, 1))).lower(x, w))
+  # x and w in, their gradients out (and the output tuple's table of pointers)
+  assert peak["arguments"] == (512 * 256 + 256 * 1024) * 4 <= peak["outputs"] < peak["arguments"] + 1024
+  assert peak["temp"] > 0 and peak["slices"] and all(r["bytes"] > 0 and r["values"] >= 1 for r in peak["slices"])
+  assert sum(r["bytes"] for r in peak["slices"]) >= peak["temp"]
+  assert "f32[512,1024]" in " ".join(r["shapes"] for r in peak["slices"])
+  line = allocation_line(peak)
+  assert line.startswith(f"XLA's allocation {(peak['arguments'] + peak['outputs'] + peak['temp']) / 2**30:.2f} GiB")
+  report = ("  768.00MiB(  8%);  768.00MiB;            0;                4; bf16[65536,2048], s8[33554432]\n"
+            "    1.50GiB( 17%);  256.00MiB;    805306368;                1; bf16[8,8192,2048]\n")
+  assert slices(report) == [dict(bytes=768 * 2**20, offset=0, values=4, shapes="bf16[65536,2048], s8[33554432]"),
+                            dict(bytes=256 * 2**20, offset=805306368, values=1, shapes="bf16[8,8192,2048]")]
 
 
 def test_saved_by_autograd_counts_each_kept_tensor_once():

@@ -8,6 +8,11 @@ with their shape and the JAX operation that made them (the `op_name` of the inst
 live range (CPU and GPU). The live ranges are XLA's logical ones: an in-place result (an output written over its
 operand's memory) counts beside that operand, so the sum can exceed `timing.compiled_bytes`' total somewhat; it
 says which buffers make the peak, the allocator's own figure says how high it is.
+
+The allocator's figure can exceed the live set by far: XLA packs every temporary buffer into one preallocated
+block at offsets fixed ahead of time, and a slice that holds a large buffer at one time and smaller ones at
+others sits partly unused. `live_at_peak` therefore also returns XLA's memory analysis (arguments, outputs,
+temporaries) and the block's slices from XLA's memory-usage report (size, offset, the values sharing it).
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import tempfile
 _LIVE_LINE = re.compile(r"^\s+(\S+?)(\{[^}]*\})?: (\d+) bytes")
 _VALUE_LINE = re.compile(r"value: <\d+ (\S+) @(\S+)> \(size=(\d+),offset=\d+\): (\S+)")
 _OP_NAME = re.compile(r"op_name=\"([^\"]*)\"")
+# A slice of the memory-usage report: "cumulative(share); size; offset; values sharing it; their shapes".
+_SLICE_LINE = re.compile(r"^\s*[\d.]+(?:[KMGT]i)?B\(\s*\d+%\);\s*([\d.]+)([KMGT]i)?B;\s*(\d+);\s*(\d+);\s*(.*)$")
+_UNITS = {None: 1, "Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40}
 
 
 def _one(pattern: str) -> str:
@@ -83,15 +91,31 @@ def _value_shapes(assignment: str) -> dict:
   return out
 
 
+def slices(report: str) -> list:
+  """The slices of an XLA memory-usage report, largest first: [{"bytes", "offset", "values", "shapes"}]."""
+  out = []
+  for line in report.splitlines():
+    m = _SLICE_LINE.match(line)
+    if m:
+      out.append(dict(bytes=round(float(m.group(1)) * _UNITS[m.group(2)]), offset=int(m.group(3)),
+                      values=int(m.group(4)), shapes=m.group(5).strip()))
+  return sorted(out, key=lambda r: -r["bytes"])
+
+
 def live_at_peak(lowered, dump_dir: str | None = None) -> dict:
   """Compile `lowered` (a `jax.stages.Lowered`) with XLA's dump on and return what is live at its peak:
-  {"total": bytes at the peak, "buffers": [{"name", "bytes", "shape", "op_name"}], largest first}."""
+  {"total": bytes at the peak, "buffers": [{"name", "bytes", "shape", "op_name"}], largest first,
+  "arguments", "outputs", "temp": XLA's memory analysis in bytes, "slices": the preallocated block's slices
+  (`slices`; empty where XLA writes no memory-usage report)}."""
   with tempfile.TemporaryDirectory() as tmp:
     where = dump_dir or tmp
-    lowered.compile({"xla_dump_to": where})
+    compiled = lowered.compile({"xla_dump_to": where})
     live = open(_one(os.path.join(where, "*after_optimizations-live-range.txt"))).read()
     hlo = open(_one(os.path.join(where, "*after_optimizations.txt"))).read()
     assignment = open(_one(os.path.join(where, "*after_optimizations-buffer-assignment.txt"))).read()
+    reports = glob.glob(os.path.join(where, "*after_optimizations-memory-usage-report.txt"))
+    report = open(max(reports, key=os.path.getsize)).read() if reports else ""
+  m = compiled.memory_analysis()
   rows = _parse_peak(live)
   instrs, shapes = hlo_ops(hlo), _value_shapes(assignment)
   buffers = []
@@ -101,7 +125,19 @@ def live_at_peak(lowered, dump_dir: str | None = None) -> dict:
     buffers.append(dict(name=name + (f"{{{index}}}" if index else ""), bytes=nbytes,
                         shape=re.sub(r"\{[0-9,]*\}$", "", shape), op_name=op_name))
   buffers.sort(key=lambda b: -b["bytes"])
-  return dict(total=sum(b["bytes"] for b in buffers), buffers=buffers)
+  return dict(total=sum(b["bytes"] for b in buffers), buffers=buffers, arguments=m.argument_size_in_bytes,
+              outputs=m.output_size_in_bytes, temp=m.temp_size_in_bytes, slices=slices(report))
+
+
+def allocation_line(peak: dict) -> str:
+  """XLA's allocation beside the live set, in GiB: what the allocator's peak is made of, and how much of it
+  no buffer uses at the live set's peak."""
+  G = 2 ** 30
+  total = peak["arguments"] + peak["outputs"] + peak["temp"]
+  return (f"XLA's allocation {total / G:.2f} GiB (arguments {peak['arguments'] / G:.2f}, outputs "
+          f"{peak['outputs'] / G:.2f}, temporaries {peak['temp'] / G:.2f}); live at the heap's peak "
+          f"{peak['total'] / G:.2f} GiB, so {max(total - peak['total'], 0) / G:.2f} GiB ({max(total - peak['total'], 0) / total:.0%}) "
+          "of the allocation holds no live buffer there")
 
 
 def op_parts(op_name: str) -> tuple[str, list[tuple[str, str]]]:
