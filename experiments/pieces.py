@@ -196,8 +196,9 @@ def main(argv=None) -> int:
   report = subprocess.run([sys.executable, "-m", "experiments.compare", "--config", spec,
                            *(f"--config.{o}" for o in overrides), "--report"], capture_output=True, text=True)
   records_dir = os.path.join(out_dir, "records")
-  finished = len(os.listdir(records_dir)) if os.path.isdir(records_dir) else 0
-  print(f"report: {out_dir}/table.md ({finished} of {len(cells)} cells with records)" if report.returncode == 0
+  now = expand(config)  # a tuned sweep lists more cells once its tuning seeds have finished
+  finished = sum(done(c) for c in now)
+  print(f"report: {out_dir}/table.md ({finished} of {len(now)} cells done)" if report.returncode == 0
         else f"report: none ({report.stderr.strip().splitlines()[-1] if report.stderr.strip() else report.returncode})")
   if a.log and piece_log:
     with open(a.log, "a") as f:

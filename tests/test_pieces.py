@@ -73,7 +73,7 @@ def test_jobs_train_their_cells_log_the_last_evaluations_and_pack_the_records(sw
   with tarfile.open(archive) as tar:
     names = tar.getnames()
   assert {f"results/stacked_sweep/records/{c.id}" for c in cells} <= set(names)
-  assert "report: results/stacked_sweep/table.md (4 of 4 cells with records)" in capsys.readouterr().out
+  assert "report: results/stacked_sweep/table.md (4 of 4 cells done)" in capsys.readouterr().out
   # Nothing is left, so a second command plans no job and starts no process.
   assert pieces.main([*args, "--budget", "900", "--log", log]) == 0
   assert "0 job(s) with cells left" in capsys.readouterr().out and open(log).read() == text
