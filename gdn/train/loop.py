@@ -186,8 +186,9 @@ def _train(cfg: ExperimentConfig, log) -> dict:
         flush(pending)
         pending = None
       if evals:
+        t_eval = time.perf_counter()
         final_eval = run_eval(s)
-        log(f"step {s}: {eval_line(final_eval)}")
+        log(f"step {s}: {eval_line(final_eval)} (evaluated in {time.perf_counter() - t_eval:.1f} s)")
         stopped = tc.early_stop > 0 and final_eval[tc.early_stop_metric] >= tc.early_stop
       if saves or stopped:
         ckpts.save(s, state, data.get_state())

@@ -294,8 +294,11 @@ def _train_stacked(cfgs: list, gdir: str, log) -> list:
         pending = None
       stopped = False
       if evals:
-        for i, result in run_eval(s).items():
-          log(f"{cfgs[i].name}: step {s}: {eval_line(result)}")
+        t_eval = time.perf_counter()
+        results = run_eval(s)
+        took = f" (the {len(results)} evaluated in {time.perf_counter() - t_eval:.1f} s)"
+        for i, result in results.items():
+          log(f"{cfgs[i].name}: step {s}: {eval_line(result)}{took}")
           reached = tc.early_stop > 0 and result[tc.early_stop_metric] >= tc.early_stop
           if reached:
             log(f"{cfgs[i].name}: step {s}: eval {tc.early_stop_metric} reached {tc.early_stop}; stopping early")
