@@ -103,6 +103,12 @@ def tuned_rate(cells, metric: str, mode: str):
     if result is None:
       return None
     by_lr.setdefault(cell.lr, []).append(float(result.get(metric, float("nan"))))
+  return pick_rate(by_lr, mode)
+
+
+def pick_rate(by_lr: dict, mode: str) -> float:
+  """The rate of {rate: [final metric per seed]} with the best mean ("max" or "min" `mode`); a rate with a
+  non-finite value loses, ties go to the lower rate."""
   sign = -1.0 if mode == "max" else 1.0
   score = {lr: sign * float(np.mean(v)) if np.all(np.isfinite(v)) else float("inf") for lr, v in by_lr.items()}
   return min(sorted(score), key=lambda lr: score[lr])

@@ -14,7 +14,7 @@ import numpy as np
 
 from gdn.data import make_task
 from gdn.sweep import published, records
-from gdn.sweep.grid import tuning_seeds
+from gdn.sweep.grid import pick_rate, tuning_seeds
 from gdn.train.config import to_dict
 from gdn.train.metrics import read_jsonl
 from gdn.train.workdir import finished
@@ -93,7 +93,7 @@ def best_per_seed(rows, metric: str, mode: str) -> list:
 
 def at_tuned_rate(rows, tuning, grid, metric: str, mode: str, stopped=()):
   """The tuned protocol (`sweep.tune_seeds`): for each (model, setting) the rows of every seed at the rate with
-  the best mean over the tuning seeds (`gdn.sweep.grid.tuned_rate`'s rule, over the rates they have finished so
+  the best mean over the tuning seeds (`gdn.sweep.grid.pick_rate`, over the rates they have finished so
   far; a rate where one of them was stopped by non-finite steps, `stopped` holding its (model, setting, seed,
   lr), loses), and the groups whose tuning seeds have not finished every rate of `grid` (their pick may still
   change)."""
@@ -101,7 +101,6 @@ def at_tuned_rate(rows, tuning, grid, metric: str, mode: str, stopped=()):
   by_group = {}
   for r in rows:
     by_group.setdefault((r["model"], r["setting"]), []).append(r)
-  sign = -1.0 if mode == "max" else 1.0
   out, unfinished = [], []
   for key, rs in by_group.items():
     by_lr = {}
@@ -115,8 +114,7 @@ def at_tuned_rate(rows, tuning, grid, metric: str, mode: str, stopped=()):
       continue
     if len(tuning) * len(grid) > sum(len(v) for v in by_lr.values()):
       unfinished.append(key)
-    score = {lr: sign * float(np.mean(v)) if np.all(np.isfinite(v)) else np.inf for lr, v in by_lr.items()}
-    pick = min(sorted(score), key=lambda lr: score[lr])
+    pick = pick_rate(by_lr, mode)
     out += [r for r in rs if r["lr"] == pick]
   return out, unfinished
 
