@@ -1,7 +1,8 @@
 """S-NIAH-1/2/3 (RULER's single-needle tasks; the Gated DeltaNet paper's S-NIAH table) at small scale.
 
   gdn-compare --config configs/niah.py:small   # CPU, about an hour: 5 models x 3 seeds, train at 64, evaluate to 512
-  gdn-compare --config configs/niah.py         # GPU: train at 1K, evaluate at 1K-8K; seed 0 at 3 rates, seeds 1-2 at its pick
+  gdn-compare --config configs/niah.py         # GPU: train at 1K, evaluate at 1K-8K; seed 0 at 3 rates,
+                                               # seeds 1 and 2 at the one it picked
 
 The paper evaluates 1.3B language models, pretrained on 100B tokens at length 4K, zero-shot on S-NIAH at
 1K-8K. Small models are not language models, so each model here is trained on a mixture of the three tasks

@@ -145,7 +145,8 @@ def parse_args(argv=None):
   return apply_preset(a, PRESETS[a.preset], "lengths")
 
 
-def measure(side: str, T: int, remat: str, argv, local_groups: int = 1, setting: str = "-", xla_flags: str = "") -> dict:
+def measure(side: str, T: int, remat: str, argv, local_groups: int = 1, setting: str = "-",
+            xla_flags: str = "") -> dict:
   """One (side, T, gdn remat, gdn local_groups, gdn switch setting, gdn XLA flags) in a fresh process; its result,
   or the last line of its error. The flags go to the process's XLA_FLAGS, after any it inherits."""
   cmd = [sys.executable, "-m", "experiments.bench_layer_fla", *argv, "--worker", side, str(T), remat,

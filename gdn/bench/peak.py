@@ -134,10 +134,11 @@ def allocation_line(peak: dict) -> str:
   no buffer uses at the live set's peak."""
   G = 2 ** 30
   total = peak["arguments"] + peak["outputs"] + peak["temp"]
+  unused = max(total - peak["total"], 0)
   return (f"XLA's allocation {total / G:.2f} GiB (arguments {peak['arguments'] / G:.2f}, outputs "
           f"{peak['outputs'] / G:.2f}, temporaries {peak['temp'] / G:.2f}); live at the heap's peak "
-          f"{peak['total'] / G:.2f} GiB, so {max(total - peak['total'], 0) / G:.2f} GiB ({max(total - peak['total'], 0) / total:.0%}) "
-          "of the allocation holds no live buffer there")
+          f"{peak['total'] / G:.2f} GiB, so {unused / G:.2f} GiB ({unused / max(total, 1):.0%}) of the allocation "
+          "holds no live buffer there")
 
 
 def op_parts(op_name: str) -> tuple[str, list[tuple[str, str]]]:

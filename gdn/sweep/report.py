@@ -243,7 +243,8 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
            f"Final eval `{metric}`: mean ± std over {len(sweep.seeds)} seed(s) (std over seeds, ddof 0), "
            f"{protocol}."
            + (f" Still tuning (seed{'s' if len(tuning) > 1 else ''} {', '.join(map(str, tuning))} "
-              f"{'have' if len(tuning) > 1 else 'has'} not finished every rate, so the rate may change): {', '.join(_label(key, settings) for key in unfinished)}." if unfinished else "")
+              f"{'have' if len(tuning) > 1 else 'has'} not finished every rate, so the rate may change): "
+              + ", ".join(_label(key, settings) for key in unfinished) + "." if unfinished else "")
            + ("" if chance is None else f" Chance: {chance:.4g}.")
            + f" Runs finished: {len(rows)} of {len(cells)}."
            + (f" Stopped by non-finite steps, so without a result (their rate lost): "
