@@ -66,14 +66,16 @@ def expand(config: ml_collections.ConfigDict, results: str = "") -> list:
   for model, model_overrides in models.items():
     for setting, setting_overrides in settings.items():
       overrides = tuple(model_overrides) + tuple(setting_overrides)
+      every_rate = {int(s): [make(model, setting, overrides, s, lr) for lr in lrs]
+                    for s in dict.fromkeys(tuple(sweep.seeds) + tuning) if not tuning or int(s) in tuning}
       tuned = None
       if tuning and any(int(s) not in tuning for s in sweep.seeds):
-        tuned = tuned_rate([make(model, setting, overrides, s, lr) for s in tuning for lr in lrs], sweep.metric,
-                           sweep.mode)
-      for seed in sweep.seeds:
-        for lr in lrs:
-          if not tuning or int(seed) in tuning or (tuned is not None and float(lr) == tuned):
-            cells.append(make(model, setting, overrides, seed, lr))
+        tuned = tuned_rate([c for s in tuning for c in every_rate[s]], sweep.metric, sweep.mode)
+      for seed in map(int, sweep.seeds):
+        if seed in every_rate:
+          cells += every_rate[seed]
+        elif tuned is not None:
+          cells.append(make(model, setting, overrides, seed, tuned))
   return cells
 
 

@@ -212,7 +212,7 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
     raise FileNotFoundError(f"no finished runs under {out_dir}/runs or {out_dir}/records")
   has_row = {(r["model"], r["setting"], r["seed"], r["lr"]) for r in rows}
   stopped = [c for c in cells if (c.model, c.setting, c.seed, c.lr) not in has_row and records.nonfinite(c.config)]
-  grid = sorted({c.lr for c in cells} | {r["lr"] for r in rows})
+  grid = sorted({c.lr for c in cells})
   tuning = tuning_seeds(sweep)
   if tuning:
     best, unfinished = at_tuned_rate(rows, tuning, grid, metric, mode,
