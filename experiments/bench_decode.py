@@ -51,6 +51,16 @@ mlp_multiple=M)`, whose default is 256; 1 keeps the width: the same logits; the 
 read). `--xla-option KEY=VALUE`
 (repeatable) compiles the decode loop with that XLA option (`jax.stages.Lowered.compile(compiler_options=...)`;
 values true/false, integers or strings), to time XLA's choices for batch-1 matmuls.
+
+`--profile` traces one more run of every timed row's loop (`gdn.bench.profile.jax_kernel_times`) and prints,
+per row, the device time per token that the kernels took against the timed ms/token (the rest is the device
+idle between kernels: launches and the loop's control), split into matmuls (kernels whose name or HLO op reads
+as a GEMM: cuBLAS, XLA's Triton GEMM fusions) and the rest, then the `--profile-top` kernels by time per token.
+On a GPU, run it with `XLA_FLAGS=--xla_gpu_enable_command_buffer=` so that every kernel is traced under its
+own HLO op rather than inside a CUDA graph (the table says whether that was so).
+
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= python -m experiments.bench_decode --preset h200 --patterns R \
+      --paths lean_xla,lean_split --batches 1 --contexts 1024 --profile
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ import argparse
 import contextlib
 import gc
 import itertools
+import re
 import statistics
 import time
 
@@ -67,6 +78,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from experiments.cli import apply_preset
+from gdn.bench.profile import format_times, jax_kernel_times
 from gdn.bench.roofline import H200_HBM_TBPS, decode_floor_ms
 from gdn.bench.timing import device_memory_stats, ops_per_iteration
 from gdn.config import AttentionConfig, ModelConfig, RecurrentConfig
@@ -89,6 +101,26 @@ PATHS = ("plain", "lean", "lean_unrolled", "lean_xla", "lean_kernel", "lean_spli
 DECODE_KERNEL = dict(lean_xla=False, lean_kernel=True, lean_split=True)
 SPLIT_V = dict(lean_kernel=False, lean_split=True)
 BLOCK = 1024  # the K/V fill tiles a random block of this many slots
+# A kernel whose name or HLO op reads as a matmul: cuBLAS/cuBLASLt (gemm, xmma, nvjet, cutlass kernels; HLO
+# custom-calls named cublas...), XLA's Triton GEMM fusions (gemm_fusion..., triton_gemm...), a CPU's dot thunks.
+MATMUL = re.compile(r"gemm|cublas|xmma|nvjet|cutlass|matmul|\bdot|dot[._]|dot$", re.IGNORECASE)
+
+
+def is_matmul(kernel: str, hlo_op: str) -> bool:
+  return bool(MATMUL.search(kernel) or MATMUL.search(hlo_op))
+
+
+def per_token(prof: dict, steps: int) -> dict:
+  """A profile of one run of the decode loop (`steps` tokens) scaled to one token, with its device time split
+  into matmuls and the rest: us and launches per token."""
+  kernels = [(us / steps, n / steps, name, op, stage) for us, n, name, op, stage in prof["kernels"]]
+  out = dict(prof, steps=1, total_us=prof["total_us"] / steps, kernels=kernels,
+             traced=f"one traced run of the loop's {steps} steps, divided by {steps}",
+             stages=[(us / steps, s) for us, s in prof["stages"]])
+  mm = [k for k in kernels if is_matmul(k[2], k[3])]
+  out["matmul_us"], out["matmul_launches"] = sum(k[0] for k in mm), sum(k[1] for k in mm)
+  out["launches"] = sum(k[1] for k in kernels)
+  return out
 
 
 def model_config(a, pattern: str) -> ModelConfig:
@@ -199,6 +231,15 @@ def bench(model, context: int, batch: int, a, programs: dict) -> dict:
     tok, cache = jax.block_until_ready(compiled(state, cache, tok))
     times.append(time.perf_counter() - t0)
   row["ms"] = 1e3 * statistics.median(times) / steps
+  if a.profile:
+    cache = jax.block_until_ready(rewind_(cache, context))
+    carry = [tok, cache]
+
+    def run():
+      carry[:] = jax.block_until_ready(compiled(state, carry[1], carry[0]))  # (tok, cache) back
+
+    row["profile"] = per_token(jax_kernel_times(run, steps=1, hlo_text=compiled.as_text()), steps)
+    tok, cache = carry
   row["floor"] = decode_floor_ms(a.weight_bytes, row["state_bytes"], a.bandwidth_gbs / 1e3)
   stats = device_memory_stats()
   row["in_use"], row["peak"] = stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
@@ -251,6 +292,9 @@ def main(argv=None):
   p.add_argument("--scan-layers", action="store_true", help="stacked layers applied by one lax.scan")
   p.add_argument("--bandwidth-gbs", type=float, default=1e3 * H200_HBM_TBPS,
                  help="memory bandwidth of the floor, GB/s (default: the H200's)")
+  p.add_argument("--profile", action="store_true",
+                 help="trace one more run of each timed row: device time per token by kernel (see above)")
+  p.add_argument("--profile-top", type=int, default=25, help="kernels listed per profiled row")
   p.add_argument("--mem-fraction", type=float, default=0.8,
                  help="skip a context when the cache would exceed this fraction of the device's memory limit")
   a = p.parse_args(argv)
@@ -346,6 +390,28 @@ def main(argv=None):
       last_peak = max(last_peak, r["peak"])
     print(f"{head} | {fmt_bytes(r['formula'])} | {fmt_bytes(r['live'])} | {fmt_bytes(r['temp'])} | "
           f"{fmt_bytes(r['in_use'])} | {peak} |")
+  if a.profile:
+    print_profiles([("| " + " | ".join(map(str, key)), results[key])
+                    for key in itertools.product(patterns, paths, batches, a.contexts) if "ms" in results[key]],
+                   a.profile_top)
+
+
+def print_profiles(timed: list, top: int) -> None:
+  """Per profiled row ((row head, result)): kernels' device time per token against the timed ms/token, matmuls
+  and the rest, then its `top` kernels."""
+  print()
+  print("Device time per token by kind (the profiled run; idle = timed ms/token - kernels' time):")
+  print()
+  print("| row | timed ms/token | kernels ms | matmuls ms (launches) | other ms (launches) | idle ms |")
+  print("|---|---:|---:|---:|---:|---:|")
+  for head, r in timed:
+    q = r["profile"]
+    print(f"{head} | {r['ms']:.3f} | {q['total_us'] / 1e3:.3f} | {q['matmul_us'] / 1e3:.3f} "
+          f"({q['matmul_launches']:.0f}) | {(q['total_us'] - q['matmul_us']) / 1e3:.3f} "
+          f"({q['launches'] - q['matmul_launches']:.0f}) | {r['ms'] - q['total_us'] / 1e3:.3f} |")
+  for head, r in timed:
+    print()
+    print(format_times(r["profile"], top=top, title=f"{head.removeprefix('| ')}: ", per="token"))
 
 
 if __name__ == "__main__":

@@ -64,6 +64,24 @@ def test_bench_decode_mlp_width_and_xla_options(capsys):
   assert len(timed) == 3 and any("failed" in r for r in rows) and "xla_no_such_option" in out
 
 
+def test_bench_decode_profile(capsys):
+  """--profile traces each timed row once more: a row of device time per token (kernels, matmuls and the rest,
+  whose sum is the kernels'), then the row's kernels, the dots among the matmuls."""
+  from experiments.bench_decode import is_matmul
+
+  main(TINY[:-1] + ["8", "--patterns", "R", "--paths", "lean", "--batches", "1", "--profile", "--profile-top", "5"])
+  out = capsys.readouterr().out
+  assert "Device time per token by kind" in out
+  row = next(line for line in out.splitlines() if line.startswith("| R | lean | 1 | 8 |") and "(" in line)
+  timed, kernels, mm, other, idle = [c.strip() for c in row.split(" | ")[4:9]]
+  assert float(timed) > 0 and float(kernels) > 0 and float(mm.split()[0]) > 0
+  assert abs(float(mm.split()[0]) + float(other.split()[0]) - float(kernels)) < 2e-3
+  assert abs(float(timed) - float(kernels) - float(idle.rstrip(" |"))) < 2e-3
+  assert "R | lean | 1 | 8: device time per token:" in out and "divided by 2" in out
+  assert is_matmul("sm90_xmma_gemm_bf16bf16", "") and is_matmul("", "gemm_fusion_dot.3")
+  assert is_matmul("dot.104", "") and not is_matmul("loop_add_fusion", "fusion.12")
+
+
 def test_xla_options_parse_and_refuse_malformed():
   import argparse
 

@@ -188,16 +188,18 @@ def torch_kernel_times(step, steps: int = 5) -> dict:
               source="CUDA kernels" if cuda else "CPU operators")
 
 
-def format_times(prof: dict, top: int = 20, title: str = "") -> str:
+def format_times(prof: dict, top: int = 20, title: str = "", per: str = "step") -> str:
   """Markdown tables: the stages (where named), then the `top` kernels, time per step and share. A profile that
-  failed ({"error": ...}, from jax_profile_in_child) is a line saying why, then the end of the child's output."""
+  failed ({"error": ...}, from jax_profile_in_child) is a line saying why, then the end of the child's output.
+  per: what one unit of the profile's times is ("step"; bench_decode's "token" for a profile scaled to one)."""
   if "error" in prof:
     return f"{title}not profiled: {prof['error']}"
   total = prof["total_us"] or 1.0
   source = f"; {prof['source']}" if prof.get("source") else ""
   if prof.get("command_buffers_off"):
     source += "; traced with XLA's command buffers off, so kernel by kernel, without the CUDA graphs of a timed step"
-  lines = [f"{title}device time per step: {prof['total_us'] / 1e3:.3f} ms (mean of {prof['steps']} steps{source})"]
+  mean = f"mean of {prof['steps']} steps" if per == "step" else prof.get("traced", f"per {per}")
+  lines = [f"{title}device time per {per}: {prof['total_us'] / 1e3:.3f} ms ({mean}{source})"]
   if prof["stages"]:
     lines += ["| stage | ms | share |", "|---|---:|---:|"]
     lines += [f"| {s} | {us / 1e3:.3f} | {us / total:.1%} |" for us, s in prof["stages"]]
