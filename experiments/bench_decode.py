@@ -52,6 +52,10 @@ read). `--xla-option KEY=VALUE`
 (repeatable) compiles the decode loop with that XLA option (`jax.stages.Lowered.compile(compiler_options=...)`;
 values true/false, integers or strings), to time XLA's choices for batch-1 matmuls.
 
+`--switch MODULE.NAME=a,b` (repeatable) times every path under each value of a module switch under gdn, as rows
+labelled "path NAME=value": e.g. `layers.fused.PAD_SINGLE_ROW=off,auto`, the lean model's one-row matmuls as
+they are or on two rows (auto: on a GPU).
+
 `--profile` traces one more run of every timed row's loop (`gdn.bench.profile.jax_kernel_times`) and prints,
 per row, the device time per token that the kernels took against the timed ms/token (the rest is the device
 idle between kernels: launches and the loop's control), split into matmuls (kernels whose name or HLO op reads
@@ -77,7 +81,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from experiments.cli import apply_preset
+from experiments.cli import apply_preset, apply_setting, setting_label, switch_settings
 from gdn.bench.profile import format_times, jax_kernel_times
 from gdn.bench.roofline import H200_HBM_TBPS, decode_floor_ms
 from gdn.bench.timing import device_memory_stats, ops_per_iteration
@@ -292,6 +296,9 @@ def main(argv=None):
   p.add_argument("--scan-layers", action="store_true", help="stacked layers applied by one lax.scan")
   p.add_argument("--bandwidth-gbs", type=float, default=1e3 * H200_HBM_TBPS,
                  help="memory bandwidth of the floor, GB/s (default: the H200's)")
+  p.add_argument("--switch", action="append", metavar="MODULE.NAME=a,b",
+                 help="a module switch under gdn (values off, on, auto), e.g. layers.fused.PAD_SINGLE_ROW=off,auto: "
+                 "every path timed under each value, as rows 'path NAME=value' (repeatable: every combination)")
   p.add_argument("--profile", action="store_true",
                  help="trace one more run of each timed row: device time per token by kernel (see above)")
   p.add_argument("--profile-top", type=int, default=25, help="kernels listed per profiled row")
@@ -302,9 +309,16 @@ def main(argv=None):
   a.compiler_options = parse_xla_options(p, a.xla_option)
   patterns = [s.strip() for s in a.patterns.split(",") if s.strip()]
   batches = [int(s) for s in a.batches.split(",") if s.strip()]
-  paths = [s.strip() for s in a.paths.split(",") if s.strip()]
-  if set(paths) - set(PATHS):
+  base_paths = [s.strip() for s in a.paths.split(",") if s.strip()]
+  if set(base_paths) - set(PATHS):
     p.error(f"--paths must be of {PATHS}, got {a.paths!r}")
+  # Each path under each --switch setting: a row label "path" or "path SETTING", its path and its setting.
+  settings = switch_settings(a.switch)
+  for setting in settings:  # refuse a bad switch before anything compiles
+    apply_setting(setting)()
+  variants = {(path if setting == "-" else f"{path} {setting_label(setting)}"): (path, setting)
+              for setting in settings for path in base_paths}
+  paths = list(variants)
 
   limit = device_memory_stats().get("bytes_limit")
   results, weights = {}, {}
@@ -317,24 +331,27 @@ def main(argv=None):
     # The floor reads each weight once in the compute dtype: the lean model's bytes, whichever path is timed.
     a.weight_bytes = weights[pattern] = nbytes(nnx.state(lean, nnx.Param))
     models = dict(plain=base, lean=lean, lean_xla=lean, lean_kernel=lean, lean_split=lean)
-    if "lean_unrolled" in paths:
+    if "lean_unrolled" in base_paths:
       models["lean_unrolled"] = for_decoding(base, unroll=True, mlp_multiple=a.mlp_multiple) if cfg.scan_layers \
           else lean
-    for path in paths:
+    for variant in paths:
+      path, setting = variants[variant]
+      restore = apply_setting(setting)
       programs = {}
       for batch in batches:
         for n in a.contexts:
           need = cache_bytes(cfg, batch, n + a.steps).total
           if limit is not None and need > a.mem_fraction * limit:
-            results[pattern, path, batch, n] = dict(error=f"skipped: cache {fmt_bytes(need)}")
+            results[pattern, variant, batch, n] = dict(error=f"skipped: cache {fmt_bytes(need)}")
             continue
           try:
             with decode_kernel(path):
-              results[pattern, path, batch, n] = bench(models[path], n, batch, a, programs)
+              results[pattern, variant, batch, n] = bench(models[path], n, batch, a, programs)
           except Exception as e:  # report and go on: an out-of-memory context must not hide the others
-            results[pattern, path, batch, n] = dict(
+            results[pattern, variant, batch, n] = dict(
                 error=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
           gc.collect()
+      restore()
       del programs
     del base, lean, models
     gc.collect()

@@ -82,6 +82,21 @@ def test_bench_decode_profile(capsys):
   assert is_matmul("dot.104", "") and not is_matmul("loop_add_fusion", "fusion.12")
 
 
+def test_bench_decode_switch_rows(capsys):
+  """--switch times each path under each value (rows "path NAME=value"), sets the switch while each row's program
+  is traced and restores it; an unknown switch is refused before anything compiles."""
+  from gdn.layers import fused
+
+  before = fused.PAD_SINGLE_ROW
+  main(TINY[:-1] + ["8", "--patterns", "R", "--paths", "lean", "--batches", "1",
+                    "--switch", "layers.fused.PAD_SINGLE_ROW=off,on"])
+  rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| R | lean")]
+  timed = [r[1] for r in rows if r[7].endswith("x")]
+  assert timed == ["lean PAD_SINGLE_ROW=off", "lean PAD_SINGLE_ROW=on"] and fused.PAD_SINGLE_ROW == before
+  with pytest.raises(SystemExit, match="no setting"):
+    main(TINY + ["--patterns", "R", "--switch", "layers.fused.NO_SUCH=on"])
+
+
 def test_xla_options_parse_and_refuse_malformed():
   import argparse
 

@@ -3,6 +3,8 @@
 Shapes: B batch, T time, Vocab vocabulary size.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -155,3 +157,41 @@ def test_for_decoding_widens_the_mlp_with_zeros(scan):
   for bad in (0, 2.5):
     with pytest.raises(ValueError, match="mlp_multiple"):
       for_decoding(model, mlp_multiple=bad)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_lean_matmuls_of_one_row_run_on_two(monkeypatch, scan):
+  """At batch 1 the lean model's matmuls whose weight is under XLA's strength-reduction size run on the row and a
+  zero row (`gdn.layers.fused.PAD_SINGLE_ROW`; off by default, "auto" on a GPU only): the decode step's logits
+  are those without, its compiled dots take two rows, and at batch 2 nothing is padded."""
+  from gdn.layers import fused
+  from gdn.model import for_decoding
+
+  cfg = ModelConfig(vocab_size=VOCAB, d_model=32, num_layers=4, pattern="RRRA", recurrent=RecurrentConfig(**SMALL),
+                    attention=ATTENTION, scan_layers=scan)
+  lean = for_decoding(LanguageModel(cfg, rngs=nnx.Rngs(5)))
+  layer = lean.scanned_blocks[0] if scan else lean.blocks[0]
+  assert isinstance(layer.mixer.o_proj, fused.LeanLinear) and isinstance(layer.mlp.down_proj, fused.LeanLinear)
+
+  def step(B, pad):
+    """The logits of one decode step and the shapes of the compiled step's dots (a one-row dot may have lost its
+    unit dimension)."""
+    monkeypatch.setattr(fused, "PAD_SINGLE_ROW", pad)
+    graphdef, state = nnx.split(lean)
+    fn = jax.jit(lambda s, t, c: nnx.merge(graphdef, s).decode_step(t, c)[0])
+    args = (state, _tokens(B=B, T=1), lean.init_cache(B, 8))
+    hlo = fn.lower(*args).compile().as_text()
+    shapes = {tuple(int(d) for d in m.split(",") if d) for m in re.findall(r"= \w+\[([\d,]*)\]\S* dot\(", hlo)}
+    assert shapes, hlo
+    return fn(*args), shapes
+
+  (off, dots_off), (on, dots_on) = step(1, False), step(1, True)
+  np.testing.assert_allclose(np.asarray(on), np.asarray(off), rtol=1e-6, atol=1e-6)
+  two_rows = lambda dots: {d for d in dots if len(d) == 2 and d[0] == 2}
+  assert two_rows(dots_on) and not two_rows(dots_off), (dots_on, dots_off)
+  assert step(2, True)[1] == step(2, False)[1]
+  monkeypatch.setattr(fused, "PAD_SINGLE_ROW", True)
+  assert fused.pads_single_row(1, (2048, 2048)) and not fused.pads_single_row(1, (2048, 8224))
+  assert not fused.pads_single_row(2, (64, 64))
+  monkeypatch.setattr(fused, "PAD_SINGLE_ROW", None)
+  assert fused.pads_single_row(1, (64, 64)) == (jax.default_backend() == "gpu")

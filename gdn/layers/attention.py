@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from gdn.config import AttentionConfig
-from gdn.layers.fused import fuse_projections, project
+from gdn.layers.fused import fuse_projections, lean, project
 from gdn.layers.norms import RMSNorm
 from gdn.layers.rope import frequencies, rope
 from gdn.layers.segments import check_mixer_call, segment_index
@@ -87,8 +87,10 @@ class Attention(nnx.Module):
     self.in_proj = None  # q, k, v as one FusedLinear, after `fuse` (inference)
 
   def fuse(self):
-    """In place, for inference: the q, k and v projections become one matmul."""
+    """In place, for inference: the q, k and v projections become one matmul, the output projection a
+    `LeanLinear` (the same matmul, with the inference path's handling of one row)."""
     fuse_projections(self, ("q_proj", "k_proj", "v_proj"))
+    self.o_proj = lean(self.o_proj)
 
   def init_cache(self, batch: int, max_len: int) -> KVCache:
     if max_len < 1:

@@ -6,9 +6,30 @@ layer axis G of a scanned model), which the matmul never sees (the scan slices t
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+# A matmul of one input row computed on two (the row and a zero row, the second output dropped), where its
+# weight has fewer than STRENGTH_REDUCED elements: True always, False never (the default until it is timed on the
+# card: `bench_decode --switch layers.fused.PAD_SINGLE_ROW=off,auto`), None (auto) on a GPU only. Why: at
+# batch 1 a decode step's input is a vector, and XLA's GPU algebraic simplifier rewrites a dot of a vector and a
+# matrix of under 10M elements in all (ShouldStrengthReduceDotToReduce, a constant of XLA's, not an option)
+# as a multiply and a reduction, which writes the whole product matrix and reads it back. On the H200 that made
+# the 2048 x 2048 output projection of a decode step take 12 us a layer where a GEMM at batch 8 takes 4.6
+# (results/benchmarks/h200_2026-12-03/decode_profile.txt). A dot of two rows is a matrix product, left a GEMM.
+PAD_SINGLE_ROW = False
+STRENGTH_REDUCED = 10_000_000
+
+
+def pads_single_row(rows: int, kernel_shape) -> bool:
+  """Whether a matmul of `rows` input rows and a kernel of `kernel_shape` runs on a padded second row (read at
+  trace time: see PAD_SINGLE_ROW)."""
+  on = jax.default_backend() == "gpu" if PAD_SINGLE_ROW is None else bool(PAD_SINGLE_ROW)
+  return on and rows == 1 and math.prod(kernel_shape) + kernel_shape[0] < STRENGTH_REDUCED
 
 
 class FusedLinear(nnx.Module):
@@ -51,10 +72,33 @@ class FusedLinear(nnx.Module):
     bias = None if self.bias is None else self.bias[...]
     x, kernel, bias = nnx.nn.dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
     kw = {} if self.preferred_element_type is None else dict(preferred_element_type=self.preferred_element_type)
-    y = self.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision, **kw)
+    lead = x.shape[:-1]
+    if pads_single_row(math.prod(lead), kernel.shape):
+      x2 = jnp.pad(x.reshape(1, x.shape[-1]), ((0, 1), (0, 0)))
+      y2 = self.dot_general(x2, kernel, (((1,), (0,)), ((), ())), precision=self.precision, **kw)
+      y = y2[:1].reshape(lead + kernel.shape[-1:])
+    else:
+      y = self.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision, **kw)
     if bias is not None:
       y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
     return y
+
+
+class LeanLinear(FusedLinear):
+  """One `nnx.Linear` as a FusedLinear of one projection: the same output array (not a dict), with the
+  inference matmul's handling of a single input row (PAD_SINGLE_ROW). For the projections that `for_decoding`
+  does not fuse with others (a layer's output projection, an MLP's down projection)."""
+
+  def __init__(self, linear: nnx.Linear):
+    super().__init__({"y": linear})
+
+  def __call__(self, x):
+    return self.matmul(x)
+
+
+def lean(linear):
+  """`linear` as a LeanLinear (in place of an nnx.Linear; one already lean, or None, as it is)."""
+  return LeanLinear(linear) if isinstance(linear, nnx.Linear) else linear
 
 
 def project(module: nnx.Module, names: tuple, x) -> dict:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gdn.layers.fused import fuse_projections, project
+from gdn.layers.fused import fuse_projections, lean, project
 
 
 def hidden_size(d_model: int, mlp_ratio: float) -> int:
@@ -27,7 +27,8 @@ class SwiGLU(nnx.Module):
     self.in_proj = None  # gate and up as one FusedLinear, after `fuse` (inference)
 
   def fuse(self, multiple: int | None = None):
-    """In place, for inference: the gate and up projections become one matmul. multiple: first widen the hidden
+    """In place, for inference: the gate and up projections become one matmul (and the down projection a
+    `gdn.layers.fused.LeanLinear`, the same matmul with the inference path's handling of one row). multiple: first widen the hidden
     layer with zero columns of gate and up and zero rows of down to a multiple of this, which leaves the output
     as it was (silu(0) * 0 = 0 and the zero rows add nothing) but lets a matmul library tile the width without
     padding the weight in every call (XLA's split-K matmul on the H200 pads 5464 rows to 5504 per step)."""
@@ -47,6 +48,7 @@ class SwiGLU(nnx.Module):
         self.down_proj.kernel.set_value(jnp.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, extra), (0, 0)]))
         self.down_proj.in_features = hidden + extra
     fuse_projections(self, ("gate_proj", "up_proj"))
+    self.down_proj = lean(self.down_proj)
 
   def __call__(self, x):
     p = project(self, ("gate_proj", "up_proj"), x)

@@ -17,7 +17,7 @@ from flax import nnx
 from gdn import ops
 from gdn.config import RecurrentConfig
 from gdn.layers.conv import ShortConv
-from gdn.layers.fused import fuse_projections, project
+from gdn.layers.fused import fuse_projections, lean, project
 from gdn.layers.norms import ACTIVATIONS, GatedRMSNorm, RMSNorm, l2norm
 from gdn.layers.segments import check_mixer_call
 from gdn.ops import pallas_decode
@@ -116,8 +116,10 @@ class RecurrentMixer(nnx.Module):
     self.in_proj = None  # the X_PROJECTIONS as one FusedLinear, after `fuse` (inference)
 
   def fuse(self):
-    """In place, for inference: the projections of x become one matmul (`gdn.layers.fused.fuse_projections`)."""
+    """In place, for inference: the projections of x become one matmul (`gdn.layers.fused.fuse_projections`),
+    the output projection a `LeanLinear` (the same matmul, with the inference path's handling of one row)."""
     fuse_projections(self, X_PROJECTIONS)
+    self.o_proj = lean(self.o_proj)
 
   def init_cache(self, batch: int, max_len: int = 0) -> RecurrentCache:
     """An empty cache; max_len is unused (the state does not grow) and kept for a uniform layer interface."""
