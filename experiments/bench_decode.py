@@ -54,7 +54,8 @@ values true/false, integers or strings), to time XLA's choices for batch-1 matmu
 
 `--switch MODULE.NAME=a,b` (repeatable) times every path under each value of a module switch under gdn, as rows
 labelled "path NAME=value": e.g. `layers.fused.PAD_SINGLE_ROW=off,auto`, the lean model's one-row matmuls as
-they are or on two rows (auto: on a GPU).
+they are or on two rows (auto: on a GPU), or `ops.pallas_matvec.MATVEC_KERNEL=off,auto`, its matmuls of up to 16
+rows as XLA's or through the Pallas kernel.
 
 `--profile` traces one more run of every timed row's loop (`gdn.bench.profile.jax_kernel_times`) and prints,
 per row, the device time per token that the kernels took against the timed ms/token (the rest is the device

@@ -42,3 +42,19 @@ def test_conv_kernels_compile_for_sm90_without_spilling():
       ("fwd+bwd", "gdn_short_conv_bwd_dx")]
   for r in rows:
     assert r["grid"] == (2, 4, 2) and r["warps"] == 8 and r["spill_stores"] == 0 and r["registers"] <= 255, r
+
+
+def test_matvec_kernel_compiles_for_sm90_without_spilling():
+  """gdn.ops.pallas_matvec at the decode model's shapes (d_model 2048, batch 1 and 8): it lowers for CUDA and
+  compiles for sm_90 without spills, within the shared memory a block may use."""
+  import jax
+  import jax.numpy as jnp
+
+  from gdn.bench.kernel_resources import resources, triton_kernels
+  from gdn.ops import pallas_matvec
+
+  for M, K, N in [(1, 2048, 2048), (1, 2048, 8224), (8, 5632, 2048)]:
+    fn = jax.jit(lambda x, w: pallas_matvec.matvec(x, w, interpret=False))
+    (kernel,) = triton_kernels(fn, jax.ShapeDtypeStruct((M, K), jnp.bfloat16), jax.ShapeDtypeStruct((K, N), jnp.bfloat16))
+    r = resources(kernel)
+    assert kernel.name == "gdn_matvec" and r["spill_stores"] == 0 and 0 < r["shared"] <= 227 * 1024, (M, K, N, r)

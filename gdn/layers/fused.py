@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gdn.ops import pallas_matvec
+
 # A matmul of one input row computed on two (the row and a zero row, the second output dropped), where its
 # weight has fewer than STRENGTH_REDUCED elements: True always, False never (the default until it is timed on the
 # card: `bench_decode --switch layers.fused.PAD_SINGLE_ROW=off,auto`), None (auto) on a GPU only. Why: at
@@ -66,14 +68,20 @@ class FusedLinear(nnx.Module):
     return {n: (o, s) for n, o, s in zip(self.names, starts, self.sizes)}
 
   def matmul(self, x):
-    """All the columns unsplit, [..., N] (for a consumer that reads the pieces at their `offsets`)."""
+    """All the columns unsplit, [..., N] (for a consumer that reads the pieces at their `offsets`). At most
+    `pallas_matvec.ROWS` rows of a 16-bit model go through `gdn.ops.pallas_matvec` where MATVEC_KERNEL asks for
+    it and the kernel takes the shape; one row, where PAD_SINGLE_ROW asks, through a dot of two rows."""
     # nnx.Linear's computation, once for all the columns.
     kernel = self.kernel[...]
     bias = None if self.bias is None else self.bias[...]
     x, kernel, bias = nnx.nn.dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
     kw = {} if self.preferred_element_type is None else dict(preferred_element_type=self.preferred_element_type)
-    lead = x.shape[:-1]
-    if pads_single_row(math.prod(lead), kernel.shape):
+    lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
+    if (pallas_matvec.enabled() and self.preferred_element_type is None and x.dtype == kernel.dtype
+        and pallas_matvec.plan(rows, *kernel.shape, kernel.dtype) is not None):
+      # A few rows of a 16-bit model: the weight-streaming kernel (gdn.ops.pallas_matvec).
+      y = pallas_matvec.matvec(x.reshape(rows, x.shape[-1]), kernel).reshape(lead + kernel.shape[-1:])
+    elif pads_single_row(rows, kernel.shape):
       x2 = jnp.pad(x.reshape(1, x.shape[-1]), ((0, 1), (0, 0)))
       y2 = self.dot_general(x2, kernel, (((1,), (0,)), ((), ())), precision=self.precision, **kw)
       y = y2[:1].reshape(lead + kernel.shape[-1:])
@@ -86,8 +94,9 @@ class FusedLinear(nnx.Module):
 
 class LeanLinear(FusedLinear):
   """One `nnx.Linear` as a FusedLinear of one projection: the same output array (not a dict), with the
-  inference matmul's handling of a single input row (PAD_SINGLE_ROW). For the projections that `for_decoding`
-  does not fuse with others (a layer's output projection, an MLP's down projection)."""
+  inference matmul's handling of a few input rows (`gdn.ops.pallas_matvec.MATVEC_KERNEL`, PAD_SINGLE_ROW). For
+  the projections that `for_decoding` does not fuse with others (a layer's output projection, an MLP's down
+  projection)."""
 
   def __init__(self, linear: nnx.Linear):
     super().__init__({"y": linear})
