@@ -13,12 +13,17 @@ Jobs (the groups in `gdn-compare --list`'s order, as `--shard g/n` counts them):
   g:all    every seed of group g
   next     every (group, seed) with a cell left to train, seed by seed: each group's seed 0, then each one's seed 1, ...
 
+`--parallel N` runs up to N jobs at once, each its own process on the same devices, so that one job's start-up
+and compilation (about 75 s of a two-cell language-model job's 170 on the H200) overlap another's training; each job
+still gets what the budget has left when it starts.
+
 Each job's output goes to results/<name>/runs/pieces/; `--log FILE` appends, per job, its command, the machine,
 its exit code (124: cut by the budget) and seconds, and each finished cell's last evaluation. Overrides
 (`--config.key=value`) go to every job, and the progress bar is off in them (the log keeps the lines).
 
   python -m experiments.pieces --config configs/lm_ablations.py --jobs next --budget 540 --min-left 200 \\
       --log results/lm_ablations/card_log.txt --archive "$OUT/records.tgz"
+  python -m experiments.pieces --config configs/lm_hybrids.py --jobs next --budget 540 --min-left 200 --parallel 2
   python -m experiments.pieces --config configs/lm_hybrids.py --jobs gdn:0 gdn_h1:0 --budget 540 --dry-run
 """
 
@@ -95,21 +100,22 @@ def job_command(spec: str, overrides, g: int, num_groups: int, seed, stack_size:
   return cmd + ["--stack", "--stack-size", str(stack_size), "--shard", f"{g}/{num_groups}"]
 
 
-def run_job(cmd, timeout: float, log_path: str) -> int:
-  """The job's exit code; CUT when `timeout` seconds ran out (the job's process group is stopped)."""
+def start_job(cmd, log_path: str, env=None) -> subprocess.Popen:
+  """The job's process, in a process group of its own, its output to `log_path`."""
   with open(log_path, "w") as f:
-    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
+def stop_job(proc: subprocess.Popen) -> int:
+  """Stops the job's process group (SIGTERM, then SIGKILL after 20 s); CUT."""
+  for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, None)):
     try:
-      return proc.wait(timeout=max(timeout, 0))
-    except subprocess.TimeoutExpired:
-      for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, None)):
-        try:
-          os.killpg(proc.pid, sig)
-          proc.wait(timeout=wait)
-          break
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-          continue
-      return CUT
+      os.killpg(proc.pid, sig)
+      proc.wait(timeout=wait)
+      break
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+      continue
+  return CUT
 
 
 def summary_lines(log_path: str, last_step: int) -> list:
@@ -144,6 +150,10 @@ def main(argv=None) -> int:
   p.add_argument("--reserve", type=float, default=30.0,
                  help="seconds of the budget kept for the report and the archive after the last job")
   p.add_argument("--stack-size", type=int, default=3, help="at most this many cells a program (0: a job's all)")
+  p.add_argument("--parallel", type=int, default=1,
+                 help="jobs run at once, each its own process on the same devices (one job's start-up and "
+                 "compilation then overlap another's training); with more than one, XLA_PYTHON_CLIENT_PREALLOCATE "
+                 "is false in the jobs unless set")
   p.add_argument("--log", help="append each job's command, exit code, seconds and last evaluations to this file")
   p.add_argument("--archive", help="pack results/<name>/records/ into this .tgz after the report")
   p.add_argument("--dry-run", action="store_true", help="print the jobs' commands and exit")
@@ -154,6 +164,8 @@ def main(argv=None) -> int:
       raise ConfigError("--config is required (e.g. --config configs/lm_ablations.py)")
     if a.stack_size < 0:
       raise ConfigError(f"--stack-size must be >= 0, got {a.stack_size}")
+    if a.parallel < 1:
+      raise ConfigError(f"--parallel must be >= 1, got {a.parallel}")
     config = apply_overrides(load(spec), overrides)
     cells = expand(config)
     jobs = plan(cells, a.jobs)
@@ -173,26 +185,44 @@ def main(argv=None) -> int:
   where, day = machine(), datetime.date.today().isoformat()
   log_dir = os.path.join(out_dir, "runs", "pieces")
   os.makedirs(log_dir, exist_ok=True)
+  env = None
+  if a.parallel > 1 and "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # else each job would take most of a GPU
   piece_log, failed = [], False
-  for g, s in jobs:
-    left = a.budget - a.reserve - (time.monotonic() - t0)
-    name = f"{labels[g]}:{'all' if s is None else s}"
-    if left < max(a.min_left, 1.0):
-      print(f"job {name}: not started, {left:.0f} s left (--min-left {a.min_left:g})")
-      continue
-    cmd = job_command(spec, overrides, g, n, s, a.stack_size)
-    shown = shlex.join(["python"] + cmd[1:])
-    print(f"job {name}: {shown} (up to {left:.0f} s)", flush=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(log_dir, f"{stamp}_{labels[g].replace('/', '_')}_{'all' if s is None else s}.log")
-    start = time.monotonic()
-    rc = run_job(cmd, left, path)
-    secs = time.monotonic() - start
-    failed |= rc not in (0, CUT)
-    lines = [f"# {shown} ({day}, {where}, timeout {left:.0f} s)", f"job {name} rc={rc} {secs:.0f}s",
-             *summary_lines(path, last_step)]
-    piece_log += lines
-    print("\n".join(lines[1:]) + ("" if rc in (0, CUT) else f"\n(the job's output: {path})"), flush=True)
+  queue, running = list(jobs), []  # running: (name, shown command, log path, process, start, deadline, timeout)
+  while queue or running:
+    while queue and len(running) < a.parallel:  # start jobs while a slot is free and the budget holds one
+      left = a.budget - a.reserve - (time.monotonic() - t0)
+      if left < max(a.min_left, 1.0):
+        for g, s in queue:
+          print(f"job {labels[g]}:{'all' if s is None else s}: not started, {left:.0f} s left "
+                f"(--min-left {a.min_left:g})")
+        queue = []
+        break
+      g, s = queue.pop(0)
+      name = f"{labels[g]}:{'all' if s is None else s}"
+      cmd = job_command(spec, overrides, g, n, s, a.stack_size)
+      shown = shlex.join(["python"] + cmd[1:])
+      print(f"job {name}: {shown} (up to {left:.0f} s)", flush=True)
+      stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+      path = os.path.join(log_dir, f"{stamp}_{labels[g].replace('/', '_')}_{'all' if s is None else s}.log")
+      start = time.monotonic()
+      running.append((name, shown, path, start_job(cmd, path, env), start, start + left, left))
+    for job in list(running):  # finish the jobs that have ended or run out of time
+      name, shown, path, proc, start, deadline, timeout = job
+      rc = proc.poll()
+      if rc is None and time.monotonic() < deadline:
+        continue
+      rc = stop_job(proc) if rc is None else rc
+      running.remove(job)
+      secs = time.monotonic() - start
+      failed |= rc not in (0, CUT)
+      lines = [f"# {shown} ({day}, {where}, timeout {timeout:.0f} s)", f"job {name} rc={rc} {secs:.0f}s",
+               *summary_lines(path, last_step)]
+      piece_log += lines
+      print("\n".join(lines[1:]) + ("" if rc in (0, CUT) else f"\n(the job's output: {path})"), flush=True)
+    if running:
+      time.sleep(0.2)
   report = subprocess.run([sys.executable, "-m", "experiments.compare", "--config", spec,
                            *(f"--config.{o}" for o in overrides), "--report"], capture_output=True, text=True)
   records_dir = os.path.join(out_dir, "records")

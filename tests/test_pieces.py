@@ -62,7 +62,11 @@ def test_jobs_train_their_cells_log_the_last_evaluations_and_pack_the_records(sw
   log, archive = "pieces.txt", "records.tgz"
   args = ["--config", sweep, *(f"--config.{o}" for o in OVERRIDES), "--config.sweep.seeds=(0,)"]
   assert pieces.main([*args, "--jobs", "next", "--budget", "900", "--stack-size", "2", "--log", log,
-                      "--archive", archive]) == 0
+                      "--archive", archive, "--parallel", "2"]) == 0
+  out = capsys.readouterr().out
+  starts = [i for i, line in enumerate(out.splitlines()) if re.match(r"job \w+:0: .* \(up to \d+ s\)$", line)]
+  ends = [i for i, line in enumerate(out.splitlines()) if re.match(r"job \w+:0 rc=0 ", line)]
+  assert len(starts) == len(ends) == 2 and max(starts) < min(ends)  # both ran at once
   cells = _cells(sweep, "sweep.seeds=(0,)")
   assert len(cells) == 4 and all(done(c) for c in cells)
   text = open(log).read()
@@ -73,7 +77,7 @@ def test_jobs_train_their_cells_log_the_last_evaluations_and_pack_the_records(sw
   with tarfile.open(archive) as tar:
     names = tar.getnames()
   assert {f"results/stacked_sweep/records/{c.id}" for c in cells} <= set(names)
-  assert "report: results/stacked_sweep/table.md (4 of 4 cells done)" in capsys.readouterr().out
+  assert "report: results/stacked_sweep/table.md (4 of 4 cells done)" in out
   # Nothing is left, so a second command plans no job and starts no process.
   assert pieces.main([*args, "--budget", "900", "--log", log]) == 0
   assert "0 job(s) with cells left" in capsys.readouterr().out and open(log).read() == text
@@ -99,6 +103,8 @@ def test_bad_arguments_are_refused_with_the_reason(sweep, capsys):
   assert "the seed must be one of" in capsys.readouterr().err
   assert pieces.main(["--config", sweep, "--budget", "10", "--stack-size", "-1"]) == 2
   assert "--stack-size must be >= 0" in capsys.readouterr().err
+  assert pieces.main(["--config", sweep, "--budget", "10", "--parallel", "0"]) == 2
+  assert "--parallel must be >= 1" in capsys.readouterr().err
 
 
 def test_with_tuning_seeds_the_others_wait_for_their_rate_and_then_run_as_one_job_a_group(sweep):
