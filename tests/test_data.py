@@ -198,6 +198,33 @@ def test_bracketed_expressions_evaluate_to_their_target():
   assert any({m + 1, m + 3} <= t for t in tokens)  # some minus signs and brackets
 
 
+def test_bracketed_expressions_are_drawn_as_the_generator_defines_them():
+  """At n tokens (here 21) the top-level left operand's length is uniform in [1, n - 4] and the operator uniform
+  in +, -, *; a leaf's digit is uniform in [0, m); short expressions take their one form per length."""
+  m, n, N = 5, 21, 6000
+  cfg = state_tracking.StateConfig(task="modular_brackets", train_lengths=(3, 40))
+  b = state_tracking.batch(cfg, _rng(), N, n + 3)  # every example: n tokens, "=", the answer, one [PAD]
+  x = b["inputs"][:, :n]
+  left, ops = [], []
+  for row in x:
+    depth = 0
+    for i, t in enumerate(row):
+      depth += int(t == m + 3) - int(t == m + 4)
+      if depth == 1 and m <= t <= m + 2 and i > 1 and (row[i - 1] < m or row[i - 1] == m + 4):
+        left.append(i - 1)  # tokens of the left operand: between the first "(" and the top-level operator
+        ops.append(t - m)
+        break
+  assert len(left) == N
+  counts = np.bincount(left, minlength=n - 3)[1:]
+  assert len(counts) == n - 4 and (np.abs(counts / (N / (n - 4)) - 1) < 0.2).all(), counts
+  assert (np.abs(np.bincount(ops, minlength=3) / (N / 3) - 1) < 0.1).all()
+  digits = x[x < m]
+  assert (np.abs(np.bincount(digits, minlength=m) / (len(digits) / m) - 1) < 0.1).all()
+  # The shortest compound, 5 tokens: "(" d op d ")".
+  for r in state_tracking.batch(cfg, _rng(), 16, 8)["inputs"][:, :5]:
+    assert r[0] == m + 3 and r[4] == m + 4 and r[1] < m and r[3] < m and m <= r[2] <= m + 2, r
+
+
 def test_s5_targets_compose_the_permutations():
   perms = list(itertools.permutations(range(5)))
   b = state_tracking.batch(state_tracking.StateConfig(task="s5"), _rng(), 2, 12)
@@ -304,3 +331,12 @@ def test_bad_token_files_fail_naming_the_config_key(tmp_path):
     make(seq_len=200)
   with pytest.raises(FileNotFoundError, match="config.data.text.corpus_dir"):
     text.corpus_files(str(tmp_path / "nowhere"), "**/*.py")
+
+
+def test_bench_data_times_each_setting(capsys):
+  """experiments/bench_data.py: one row per sweep setting, its ms a batch and that times the cells."""
+  from experiments import bench_data
+
+  rows = bench_data.main(["--config", "configs/state_tracking.py:small", "--batches", "2", "--cells", "3"])
+  assert [r["setting"] for r in rows] == ["parity"] and rows[0]["ms"] > 0
+  assert "| parity | " in capsys.readouterr().out

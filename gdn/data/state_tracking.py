@@ -114,19 +114,30 @@ def _modular(rng, L, W, m):
   return x, y, w
 
 
-def _expression(rng, n, m):
-  """A random expression of exactly n tokens and its value mod m, drawn as xLSTM's generator for Grazzi et
-  al. draws it: below 5 tokens d, -d, (d), (-d); else (left op right) with the left's length uniform in
-  [1, n - 4]."""
+def _emit(u, n: int, m: int, out: list) -> int:
+  """Appends a random expression of exactly n tokens to `out` and returns its value mod m, drawn as xLSTM's
+  generator for Grazzi et al. draws it: below 5 tokens d, -d, (d), (-d); else (left op right) with the left's
+  length uniform in [1, n - 4] and op uniform in +, -, *. The draws are the next values of `u`, an iterator of
+  uniforms in [0, 1) (one array a batch, drawn by `_brackets`: numpy's per-call cost was most of the time)."""
   plus, minus, open_, close = m, m + 1, m + 3, m + 4
   if n < 5:
-    d = int(rng.integers(m))
-    return ([d], [minus, d], [open_, d, close], [open_, minus, d, close])[n - 1], (d, -d, d, -d)[n - 1] % m
-  a = int(rng.integers(1, n - 3))
-  left, lv = _expression(rng, a, m)
-  right, rv = _expression(rng, n - 3 - a, m)
-  op = int(rng.integers(3))
-  return [open_] + left + [plus + op] + right + [close], (lv + rv, lv - rv, lv * rv)[op] % m
+    d = int(next(u) * m)
+    if n >= 3:
+      out.append(open_)
+    if n % 2 == 0:
+      out.append(minus)
+    out.append(d)
+    if n >= 3:
+      out.append(close)
+    return -d % m if n % 2 == 0 else d
+  a = 1 + int(next(u) * (n - 4))
+  op = int(next(u) * 3)
+  out.append(open_)
+  lv = _emit(u, a, m, out)
+  out.append(plus + op)
+  rv = _emit(u, n - 3 - a, m, out)
+  out.append(close)
+  return (lv + rv, lv - rv, lv * rv)[op] % m
 
 
 def _brackets(rng, L, W, m):
@@ -134,9 +145,12 @@ def _brackets(rng, L, W, m):
   eq, pad = m + 5, m + 6
   x = np.full((B, W), pad, np.int64)
   y, w = np.zeros((B, W), np.int64), np.zeros((B, W), np.float32)
+  # An expression of n <= W - 3 tokens has at most W / 4 leaves, so at most 3 W / 4 - 2 draws.
+  draws = rng.random((B, 3 * (W // 4) + 1)).tolist()
   for b in range(B):
     n = max(int(L[b]), 5) - 3
-    tokens, value = _expression(rng, n, m)
+    tokens = []
+    value = _emit(iter(draws[b]), n, m, tokens)
     x[b, :n] = tokens
     x[b, n] = eq
     y[b, n], w[b, n] = value, 1.0
