@@ -125,6 +125,7 @@ def pycode_lm(c, name: str, size: str, num_layers: int):
     c.model.dtype = "bfloat16"
     c.sweep.seeds, c.sweep.learning_rates = (0, 1, 2), (5e-4, 1e-3, 2e-3, 4e-3, 8e-3)
     c.sweep.tune_seeds = (0,)  # seed 0 runs every rate; seeds 1 and 2 the one it picked
+    c.sweep.extend_edges = 1  # one rate beyond the grid's end where seed 0 is best there
   else:
     schedule(cpu(c), 150, 15, every=150, learning_rate=3e-3)
     c.sweep.seeds, c.sweep.learning_rates = (0,), (3e-3,)

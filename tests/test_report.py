@@ -4,6 +4,8 @@ cell, the table, the metric at every evaluation, and the plots."""
 import json
 import os
 
+import pytest
+
 from gdn.sweep import expand, write_report
 from gdn.train.config_file import apply_overrides, load
 
@@ -298,3 +300,53 @@ def test_with_tuning_seeds_every_seed_is_reported_at_the_rate_the_tuning_seeds_p
   assert f"Stopped by non-finite steps, so without a result (their rate lost): {stopped.id}." in table
   assert "Still tuning" not in table
   assert os.path.exists(os.path.join(tmp_path, "records", stopped.id, records.NONFINITE))
+
+
+def test_extend_edges_widens_a_groups_grid_where_its_tuning_seed_is_best_at_an_end(tmp_path):
+  """sweep.extend_edges=2: a model whose seed 0 is best at the grid's top (deltanet) gets the next rate at the
+  grid's ratio (8e-3), then, best there too, one more (1.6e-2), and no third; one best at the bottom
+  (attention) gets 5e-4 and, once an interior rate wins, no more. Seeds 1 and 2 wait for the widened tuning;
+  the report names each group's added rates and takes its grid, not the union, for "still tuning" and the
+  grid's ends."""
+  config = apply_overrides(load(os.path.join(ROOT, "configs", "mqar.py") + ":small"),
+                           ("sweep.learning_rates=(1e-3,2e-3,4e-3)", "sweep.seeds=(0,1,2)", "sweep.tune_seeds=(0,)",
+                            "sweep.extend_edges=2"))
+  up = {1e-3: 0.5, 2e-3: 0.6, 4e-3: 0.7, 8e-3: 0.8, 1.6e-2: 0.9}  # deltanet's seed 0: best at the top
+  inside = {1e-3: 0.6, 2e-3: 0.8, 4e-3: 0.7}  # the other two recurrent models: best inside
+  score = dict(deltanet=up, attention={5e-4: 0.7, 1e-3: 0.8, 2e-3: 0.6, 4e-3: 0.5}, gated_deltanet=inside,
+               hybrid_3to1=inside)
+
+  def rates(model):
+    return [c.lr for c in expand(config, results=str(tmp_path)) if c.model == model and c.seed == 0]
+
+  def finish_seed0():
+    for cell in expand(config, results=str(tmp_path)):
+      if cell.seed == 0 and not os.path.exists(os.path.join(cell.config.run_dir, "summary.json")):
+        _fake_run(cell, {cell.config.train.last_step: score[cell.model][cell.lr]}, metric="accuracy",
+                  split="T64_P4")
+
+  assert rates("deltanet") == rates("attention") == [1e-3, 2e-3, 4e-3]
+  finish_seed0()  # deltanet best at 4e-3, attention at 1e-3: each grid grows at that end
+  assert rates("deltanet") == [1e-3, 2e-3, 4e-3, 8e-3] and rates("attention") == [5e-4, 1e-3, 2e-3, 4e-3]
+  cells = expand(config, results=str(tmp_path))
+  others = lambda model: sorted((c.seed, c.lr) for c in cells if c.seed > 0 and c.model == model)
+  assert others("deltanet") == others("attention") == [] and others("gated_deltanet") == [(1, 2e-3), (2, 2e-3)]
+  table = open(write_report(cells, str(tmp_path), title="t")["table.md"]).read()
+  assert "Still tuning (seed 0 has not finished every rate, so the rate may change): attention, deltanet." in table
+  finish_seed0()  # deltanet best at 8e-3: one more; attention's 5e-4 loses to 1e-3, now inside: done
+  assert rates("deltanet") == [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2] and rates("attention") == [5e-4, 1e-3, 2e-3, 4e-3]
+  cells = expand(config, results=str(tmp_path))
+  assert others("attention") == [(1, 1e-3), (2, 1e-3)] and others("deltanet") == []
+  finish_seed0()  # 1.6e-2 best again, but two rates at most
+  assert rates("deltanet") == [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2]
+  cells = expand(config, results=str(tmp_path))
+  assert others("deltanet") == [(1, 1.6e-2), (2, 1.6e-2)]
+  table = open(write_report(cells, str(tmp_path), title="t")["table.md"]).read()
+  assert ("widened beyond an end where that end was best (sweep.extend_edges=2: attention [0.0005]; deltanet "
+          "[0.008, 0.016])") in table
+  assert "Still tuning" not in table
+  edges = table.split("Picked at an end of the rate grid")[1].split("\n\n")[0]
+  assert "deltanet: 1 of 1 seed at the highest (2e-02)" in edges  # its own grid's end, the added rate
+  assert "attention" not in edges  # 1e-3: inside its widened grid
+  with pytest.raises(ValueError, match="extend_edges needs tune_seeds"):
+    expand(apply_overrides(config, ("sweep.tune_seeds=()",)))

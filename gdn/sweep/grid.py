@@ -45,7 +45,8 @@ def expand(config: ml_collections.ConfigDict, results: str = "") -> list:
   """Every cell of the sweep declared in `config.sweep`, in a fixed order (models, settings, seeds, lrs).
 
   With `sweep.tune_seeds`, a seed outside them has one cell per (model, setting), at `tuned_rate`, and none
-  while that rate is not known yet (a tuning seed's cell unfinished): a later call lists them."""
+  while that rate is not known yet (a tuning seed's cell unfinished): a later call lists them. With
+  `sweep.extend_edges` the tuning seeds' rates of a (model, setting) may go beyond the grid (`tuning_rates`)."""
   results = results or results_dir(config)
   sweep = from_dict(config.to_dict()).sweep
   models = sweep.models or {config.name: ()}
@@ -66,7 +67,9 @@ def expand(config: ml_collections.ConfigDict, results: str = "") -> list:
   for model, model_overrides in models.items():
     for setting, setting_overrides in settings.items():
       overrides = tuple(model_overrides) + tuple(setting_overrides)
-      every_rate = {int(s): [make(model, setting, overrides, s, lr) for lr in lrs]
+      cell = lambda s, lr: make(model, setting, overrides, s, lr)
+      rates = tuning_rates(lrs, [int(s) for s in tuning], cell, sweep) if tuning else list(lrs)
+      every_rate = {int(s): [cell(s, lr) for lr in rates]
                     for s in dict.fromkeys(tuple(sweep.seeds) + tuning) if not tuning or int(s) in tuning}
       tuned = None
       if tuning and any(int(s) not in tuning for s in sweep.seeds):
@@ -77,6 +80,27 @@ def expand(config: ml_collections.ConfigDict, results: str = "") -> list:
         elif tuned is not None:
           cells.append(make(model, setting, overrides, seed, tuned))
   return cells
+
+
+def beyond(rates, end: str) -> float:
+  """The next rate past the top ("high") or bottom ("low") of `rates` at the grid's own ratio there (to 12
+  significant digits, so that the same grid always gives the same rate and cell name)."""
+  r = sorted(rates)
+  nxt = r[-1] * r[-1] / r[-2] if end == "high" else r[0] * r[0] / r[1]
+  return float(f"{nxt:.12g}")
+
+
+def tuning_rates(lrs, tuning, cell, sweep) -> list:
+  """The rates the tuning seeds of one (model, setting) run: the grid, plus with `sweep.extend_edges` up to that
+  many rates beyond its ends, each added once the tuning seeds have finished every rate so far and their best
+  (`tuned_rate`) is the highest or the lowest. cell(seed, lr) -> that seed's Cell at that rate."""
+  rates = sorted(float(lr) for lr in lrs)
+  for _ in range(sweep.extend_edges):
+    best = tuned_rate([cell(s, lr) for s in tuning for lr in rates], sweep.metric, sweep.mode)
+    if best is None or rates[0] < best < rates[-1]:
+      break
+    rates = sorted(rates + [beyond(rates, "high" if best == rates[-1] else "low")])
+  return rates if sweep.extend_edges else list(lrs)
 
 
 def tuning_seeds(sweep) -> tuple:

@@ -91,12 +91,17 @@ def best_per_seed(rows, metric: str, mode: str) -> list:
   return list(best.values())
 
 
+def _grid_of(grid, key) -> list:
+  """The rates of (model, setting) `key`: grid[key] where `grid` is a dict of each group's rates, else grid."""
+  return list(grid.get(key, ())) if isinstance(grid, dict) else list(grid)
+
+
 def at_tuned_rate(rows, tuning, grid, metric: str, mode: str, stopped=()):
   """The tuned protocol (`sweep.tune_seeds`): for each (model, setting) the rows of every seed at the rate with
   the best mean over the tuning seeds (`gdn.sweep.grid.pick_rate`, over the rates they have finished so
   far; a rate where one of them was stopped by non-finite steps, `stopped` holding its (model, setting, seed,
   lr), loses), and the groups whose tuning seeds have not finished every rate of `grid` (their pick may still
-  change)."""
+  change). grid: the rates, or {(model, setting): its rates} where groups differ (`sweep.extend_edges`)."""
   tuning = set(tuning)
   by_group = {}
   for r in rows:
@@ -112,7 +117,7 @@ def at_tuned_rate(rows, tuning, grid, metric: str, mode: str, stopped=()):
         by_lr.setdefault(r["lr"], []).append(float(r.get(f"eval/{metric}", np.nan)))
     if not by_lr:
       continue
-    if len(tuning) * len(grid) > sum(len(v) for v in by_lr.values()):
+    if len(tuning) * len(_grid_of(grid, key)) > sum(len(v) for v in by_lr.values()):
       unfinished.append(key)
     pick = pick_rate(by_lr, mode)
     out += [r for r in rs if r["lr"] == pick]
@@ -172,13 +177,15 @@ def _rates(lrs) -> str:
 
 def grid_edges(summary: dict, grid, several_settings: bool = False) -> list:
   """For each (model, setting) whose seeds picked a rate at an end of a grid of three or more: "model: k of n
-  seeds at the lowest rate (1e-03)" (and/or the highest), where the best rate may lie outside the grid."""
-  if len(grid) < 3:
-    return []
+  seeds at the lowest rate (1e-03)" (and/or the highest), where the best rate may lie outside the grid. grid:
+  the rates, or {(model, setting): its rates}."""
   out = []
   for (model, setting), (_, _, n, lrs) in summary.items():
+    rates = sorted(_grid_of(grid, (model, setting)))
+    if len(rates) < 3:
+      continue
     parts = [f"{k} of {n} seed{'s' if n > 1 else ''} at the {end} ({lr:.0e})"
-             for end, lr in (("lowest", grid[0]), ("highest", grid[-1])) for k in [lrs.count(lr)] if k]
+             for end, lr in (("lowest", rates[0]), ("highest", rates[-1])) for k in [lrs.count(lr)] if k]
     if parts:
       out.append(f"{model}{'/' + setting if several_settings else ''}: " + ", ".join(parts))
   return out
@@ -214,8 +221,13 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
   stopped = [c for c in cells if (c.model, c.setting, c.seed, c.lr) not in has_row and records.nonfinite(c.config)]
   grid = sorted({c.lr for c in cells})
   tuning = tuning_seeds(sweep)
+  grids = {}  # each (model, setting)'s own rates: its tuning seeds' (every seed's without tuning)
+  for c in cells:
+    if not tuning or c.seed in tuning:
+      grids.setdefault((c.model, c.setting), set()).add(c.lr)
+  grids = {key: sorted(v) for key, v in grids.items()}
   if tuning:
-    best, unfinished = at_tuned_rate(rows, tuning, grid, metric, mode,
+    best, unfinished = at_tuned_rate(rows, tuning, grids, metric, mode,
                                      [(c.model, c.setting, c.seed, c.lr) for c in stopped])
   else:
     best, unfinished = best_per_seed(rows, metric, mode), []
@@ -236,9 +248,14 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
       w.writeheader()
       w.writerows(rs)
 
+  extended = sorted(set(grid) - set(float(lr) for lr in sweep.learning_rates))
   protocol = (f"every seed at the rate whose mean over seed{'s' if len(tuning) > 1 else ''} "
-              f"{', '.join(map(str, tuning))} is best, from {grid} (the other seeds ran that rate only); the rate "
-              "below" if tuning else f"each seed at its best learning rate from {grid}; the rates picked below")
+              f"{', '.join(map(str, tuning))} is best, from {sorted(float(lr) for lr in sweep.learning_rates)}"
+              + (f", widened beyond an end where that end was best (sweep.extend_edges={sweep.extend_edges}: "
+                 + "; ".join(f"{_label(k, settings)} {[lr for lr in g if lr in extended]}"
+                             for k, g in grids.items() if set(g) & set(extended)) + ")" if extended else "")
+              + " (the other seeds ran that rate only); the rate below"
+              if tuning else f"each seed at its best learning rate from {grid}; the rates picked below")
   lines = [f"# {title or os.path.basename(out_dir)}", "",
            f"Final eval `{metric}`: mean ± std over {len(sweep.seeds)} seed(s) (std over seeds, ddof 0), "
            f"{protocol}."
@@ -261,7 +278,7 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
     return f"{_cell(mean, std, n)} (lr {_rates(lrs)})"
 
   lines += _by_model_and_setting(models, settings, best_rates)
-  edges = grid_edges(summary, grid, len(settings) > 1)
+  edges = grid_edges(summary, grids, len(settings) > 1)
   if edges:
     lines += ["", "Picked at an end of the rate grid, so the best rate may lie outside it (a grid widened for every "
               "model would tell): " + "; ".join(edges) + "."]

@@ -128,6 +128,10 @@ class SweepConfig:
   # run every rate, and the others only the rate with the best mean over these (per model and setting), once
   # all of these have finished (gdn.sweep.grid.tuned_rate); the report then takes every seed at that rate.
   tune_seeds: tuple = ()
+  # With tune_seeds: up to this many rates added beyond an end of a (model, setting)'s grid, one at a time, each
+  # where the tuning seeds' best rate so far is that end (the grid's own ratio at that end: 8e-3 after 4e-3,
+  # 8e-3 gives 1.6e-2), so that no model's pick is cut off by the grid (gdn.sweep.grid.tuning_rates).
+  extend_edges: int = 0
   metric: str = "accuracy"  # final eval metric that picks the learning rate and fills the table
   mode: str = "max"  # "max" | "min"
   x_key: str = ""  # a config key to plot the metric against (e.g. "model.d_model")
@@ -146,6 +150,11 @@ class SweepConfig:
       raise ValueError("seeds must not be empty")
     if isinstance(self.tune_seeds, (str, int)) or any(not isinstance(s, int) for s in self.tune_seeds):
       raise ValueError(f"tune_seeds must be a tuple of ints (seeds), got {self.tune_seeds!r}")
+    if not isinstance(self.extend_edges, int) or self.extend_edges < 0:
+      raise ValueError(f"extend_edges must be an int >= 0, got {self.extend_edges!r}")
+    if self.extend_edges and not self.tune_seeds:
+      raise ValueError("extend_edges needs tune_seeds: it widens the grid where the tuning seeds' best rate is at "
+                       "its end (a grid of one rate has nothing to tune, and extend_edges does nothing there)")
     for name, spec in self.published.items():
       missing = {"source", "metric", "reference", "values"} - set(spec)
       if missing:
