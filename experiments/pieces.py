@@ -1,4 +1,4 @@
-"""Run a sweep in pieces that fit a wall-clock budget: `python -m experiments.pieces --config C --jobs next --budget 540`.
+"""Run a sweep in budgeted pieces: `python -m experiments.pieces --config C --jobs next --budget 540`.
 
 For a machine held a few minutes at a time (a GPU call of under ten minutes): a queue of jobs, each one (model,
 setting) group's cells for one seed or for every seed, trained stacked (`gdn-compare --stack`) in a process of
@@ -14,8 +14,8 @@ Jobs (the groups in `gdn-compare --list`'s order, as `--shard g/n` counts them):
   next     every (group, seed) with a cell left to train, seed by seed: each group's seed 0, then each one's seed 1, ...
 
 `--parallel N` runs up to N jobs at once, each its own process on the same devices, so that one job's start-up
-and compilation (about 75 s of a two-cell language-model job's 170 on the H200) overlap another's training; each job
-still gets what the budget has left when it starts.
+and compilation (about 75 s of a two-cell language-model job's 170 on the H200) overlap another's training;
+each job still gets what the budget has left when it starts.
 
 Each job's output goes to results/<name>/runs/pieces/; `--log FILE` appends, per job, its command, the machine,
 its exit code (124: cut by the budget) and seconds, and each finished cell's last evaluation. Overrides

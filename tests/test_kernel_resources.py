@@ -55,6 +55,7 @@ def test_matvec_kernel_compiles_for_sm90_without_spilling():
 
   for M, K, N in [(1, 2048, 2048), (1, 2048, 8224), (8, 5632, 2048)]:
     fn = jax.jit(lambda x, w: pallas_matvec.matvec(x, w, interpret=False))
-    (kernel,) = triton_kernels(fn, jax.ShapeDtypeStruct((M, K), jnp.bfloat16), jax.ShapeDtypeStruct((K, N), jnp.bfloat16))
+    x, w = jax.ShapeDtypeStruct((M, K), jnp.bfloat16), jax.ShapeDtypeStruct((K, N), jnp.bfloat16)
+    (kernel,) = triton_kernels(fn, x, w)
     r = resources(kernel)
     assert kernel.name == "gdn_matvec" and r["spill_stores"] == 0 and 0 < r["shared"] <= 227 * 1024, (M, K, N, r)

@@ -78,7 +78,7 @@ class FusedLinear(nnx.Module):
     kw = {} if self.preferred_element_type is None else dict(preferred_element_type=self.preferred_element_type)
     lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
     if (pallas_matvec.enabled() and self.preferred_element_type is None and x.dtype == kernel.dtype
-        and pallas_matvec.plan(rows, *kernel.shape, kernel.dtype) is not None):
+        and kernel.ndim == 2 and pallas_matvec.plan(rows, *kernel.shape, kernel.dtype) is not None):
       # A few rows of a 16-bit model: the weight-streaming kernel (gdn.ops.pallas_matvec).
       y = pallas_matvec.matvec(x.reshape(rows, x.shape[-1]), kernel).reshape(lead + kernel.shape[-1:])
     elif pads_single_row(rows, kernel.shape):

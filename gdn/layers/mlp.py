@@ -28,10 +28,11 @@ class SwiGLU(nnx.Module):
 
   def fuse(self, multiple: int | None = None):
     """In place, for inference: the gate and up projections become one matmul (and the down projection a
-    `gdn.layers.fused.LeanLinear`, the same matmul with the inference path's handling of one row). multiple: first widen the hidden
-    layer with zero columns of gate and up and zero rows of down to a multiple of this, which leaves the output
-    as it was (silu(0) * 0 = 0 and the zero rows add nothing) but lets a matmul library tile the width without
-    padding the weight in every call (XLA's split-K matmul on the H200 pads 5464 rows to 5504 per step)."""
+    `gdn.layers.fused.LeanLinear`, the same matmul with the inference path's handling of a few rows).
+    multiple: first widen the hidden layer with zero columns of gate and up and zero rows of down to a multiple
+    of this, which leaves the output as it was (silu(0) * 0 = 0 and the zero rows add nothing) but lets a matmul
+    library tile the width without padding the weight in every call (XLA's split-K matmul on the H200 pads 5464
+    rows to 5504 per step)."""
     if multiple is not None:
       if not (isinstance(multiple, int) and multiple >= 1):
         raise ValueError(f"multiple must be a positive int, got {multiple!r}")

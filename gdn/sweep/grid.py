@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 
@@ -67,7 +68,7 @@ def expand(config: ml_collections.ConfigDict, results: str = "") -> list:
   for model, model_overrides in models.items():
     for setting, setting_overrides in settings.items():
       overrides = tuple(model_overrides) + tuple(setting_overrides)
-      cell = lambda s, lr: make(model, setting, overrides, s, lr)
+      cell = functools.partial(make, model, setting, overrides)  # (seed, lr) -> Cell
       rates = tuning_rates(lrs, [int(s) for s in tuning], cell, sweep) if tuning else list(lrs)
       every_rate = {int(s): [cell(s, lr) for lr in rates]
                     for s in dict.fromkeys(tuple(sweep.seeds) + tuning) if not tuning or int(s) in tuning}
