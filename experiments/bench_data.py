@@ -2,10 +2,11 @@
 than the device.
 
 A task's batch i is drawn on the host (`gdn.data.pipeline`: grain, prefetched by a thread), and a stacked group
-(`gdn-compare --stack`) draws one batch per cell and step. Python threads share one interpreter lock, so a group
-of N cells needs about N times one batch's time per step, whatever the device does. This prints, per setting of
-the config's sweep (each setting's overrides applied; the sweep's first model), the median milliseconds to make
-one batch (`task.train[i]` for `--batches` consecutive i after a warm-up) and that times `--cells`.
+(`gdn-compare --stack`) draws one batch per data stream and step (its cells of one seed share one:
+`gdn.train.stacked.shared_iterators`). Python threads share one interpreter lock, so a group of N streams needs
+about N times one batch's time per step, whatever the device does. This prints, per setting of the config's
+sweep (each setting's overrides applied; the sweep's first model), the median milliseconds to make one batch
+(`task.train[i]` for `--batches` consecutive i after a warm-up) and that times `--cells` (the streams).
 
   python -m experiments.bench_data --config configs/state_tracking.py --cells 12
 """
@@ -38,7 +39,9 @@ def main(argv=None) -> list:
   spec, overrides, rest = split_argv(sys.argv[1:] if argv is None else argv)
   p = argparse.ArgumentParser(prog="python -m experiments.bench_data", description=__doc__.split("\n")[0])
   p.add_argument("--batches", type=int, default=20, help="batches timed per setting")
-  p.add_argument("--cells", type=int, default=12, help="cells of a stacked group, for the per-step column")
+  p.add_argument("--cells", type=int, default=12,
+                 help="data streams of a stacked group (its seeds, or cells before they shared), for the per-step "
+                 "column")
   a = p.parse_args(rest)
   if not spec:
     p.error("--config is required")

@@ -80,8 +80,13 @@ def _same_as_alone(tmp_path, cells, *overrides, steps=16, evals=(4, 8, 12, 16)):
 
 
 @pytest.mark.slow
-def test_stacked_cells_log_what_separate_runs_log(tmp_path):
-  _same_as_alone(tmp_path, [(0, 3e-3), (1, 1e-2), (2, 1e-3)])
+def test_stacked_cells_log_what_separate_runs_log(tmp_path, monkeypatch):
+  """Two cells of one seed (their batches the same) share one data iterator; the third has its own."""
+  made = []
+  make = stacked.iterator
+  monkeypatch.setattr(stacked, "iterator", lambda *a, **k: made.append(1) or make(*a, **k))
+  _same_as_alone(tmp_path, [(0, 3e-3), (0, 1e-2), (2, 1e-3)])
+  assert len(made) == 2
 
 
 @pytest.mark.slow
