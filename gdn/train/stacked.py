@@ -295,9 +295,11 @@ def _train_stacked(cfgs: list, gdir: str, log) -> list:
     shrink()  # cells that ended before this launch
     for s in range(start + 1, last + 1):
       on = np.asarray([active[i] for i in rows])
-      drawn = {}  # one batch per iterator and step: cells that share an iterator share its batch
-      batches = [(drawn[id(data[i])] if id(data[i]) in drawn else drawn.setdefault(id(data[i]), next(data[i])))
-                 if active[i] else None for i in rows]
+      drawn, batches = {}, []  # one batch per iterator and step: cells that share an iterator share its batch
+      for i in rows:
+        if active[i] and id(data[i]) not in drawn:
+          drawn[id(data[i])] = next(data[i])
+        batches.append(drawn[id(data[i])] if active[i] else None)
       for i, b in zip(rows, batches):
         if b is not None:
           window_tokens[i] += b["inputs"].size
