@@ -251,6 +251,9 @@ def main(argv=None) -> list:
                       "process)")
   p.add_argument("--switch", metavar="MODULE.NAME=off,on",
                  help="one table per setting of the gdn.ops module switch, e.g. intra_chunk.SEGSUM_MATMUL=off,on")
+  p.add_argument("--hlo", metavar="DIR",
+                 help="write the optimised HLO of gdn's forward+backward at each shape (the program that --profile "
+                      "traces, whose fusion names its kernel table shows) to DIR/gdn_<variant>_B_T_H_D.hlo.txt.gz")
   add_autotune_cache(p)
   p.add_argument("--profile-json", metavar="PATH", help=argparse.SUPPRESS)  # a profiling child's output
   a = p.parse_args(argv)
@@ -289,6 +292,9 @@ def main(argv=None) -> list:
         rows += [dict(r, switch=setting) for r in table(a, shapes, torch, switch_arg=f"{a.switch.partition('=')[0]}={setting}")]
       finally:
         setattr(module, name, before)
+  if a.hlo:
+    for shape in shapes:
+      print(f"hlo: {write_hlo(a.hlo, a.variant, shape, a.dtype, a.g_dtype)}")
   if a.profile_json:
     from gdn.bench.profile import write_profiles
     write_profiles(a.profile_json, [r["profiles"]["gdn"] for r in rows if "gdn" in r.get("profiles", {})])
@@ -299,6 +305,20 @@ def main(argv=None) -> list:
         shape = ", ".join(map(str, r["shape"])) + (f"; {r['switch']}" if "switch" in r else "")
         print("\n" + format_times(prof, a.profile, title=f"{side}, ({shape}), fwd+bwd: "))
   return rows
+
+
+def write_hlo(where: str, variant: str, shape, dtype, g_dtype) -> str:
+  """The optimised HLO text of gdn's forward+backward (the program `profiles` traces) at one shape, gzipped
+  under `where`; its path."""
+  import gzip
+
+  args, do = variant_inputs(variant, shape, dtype, g_dtype)
+  text = jax.jit(vjp_of(make_fn("pallas", None))).lower(do, *args).compile().as_text()
+  os.makedirs(where, exist_ok=True)
+  path = os.path.join(where, f"gdn_{variant}_{'_'.join(map(str, shape))}.hlo.txt.gz")
+  with gzip.open(path, "wt") as f:
+    f.write(text)
+  return path
 
 
 def parse_switch(p, spec):

@@ -8,7 +8,7 @@ not: a report written elsewhere still has every cell, and a cell with a finished
 `--import-csv` makes records from an older report's results.csv. `--shard i/n` runs every n-th (model, setting)
 group of cells from the i-th (one machine or process each; a group's seeds and learning rates share compiled
 programs, so they stay on one shard); `--stack` trains each group's cells as one program (gdn/train/stacked.py;
-`--stack-size K`: at most K cells each); `--report` only writes the report from the runs and records present.
+`--stack-size K`: at most K cells each); `--cells ID,...` trains only those cells; `--report` only writes the report from the runs and records present.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def main(argv=None) -> int:
                         help="train each (model, setting) group's seeds and learning rates as one program")
     parser.add_argument("--stack-size", type=int, default=0,
                         help="with --stack: at most this many cells per program (0: the whole group)")
+    parser.add_argument("--cells", default="",
+                        help="ID,ID,...: train only these cells of the shard (ids as --list prints them); the "
+                             "report still covers the whole sweep")
     args = parser.parse_args(rest)
     if not spec:
       raise ConfigError("--config is required (e.g. --config configs/mqar.py:small)")
@@ -59,6 +62,10 @@ def main(argv=None) -> int:
     if args.stack_size < 0 or (args.stack_size and not args.stack):
       raise ConfigError(f"--stack-size must be >= 0 and goes with --stack, got {args.stack_size}")
     cells = expand(config)
+    only = [i for i in args.cells.split(",") if i]
+    unknown = sorted(set(only) - {c.id for c in cells})
+    if unknown:
+      raise ConfigError(f"--cells: no cell {', '.join(map(repr, unknown))} in this sweep (--list prints its cells)")
   except (ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -78,7 +85,7 @@ def main(argv=None) -> int:
     if cells:
       compile_cache.enable(cells[0].config.compilation_cache, cells[0].config.run_dir)
     try:
-      run_cells(cells, shard, num_shards, stack=args.stack, stack_size=args.stack_size)
+      run_cells(cells, shard, num_shards, stack=args.stack, stack_size=args.stack_size, only=set(only) or None)
     except (ConfigError, ConfigMismatch, NoUsableCheckpoint, WorkdirLocked) as e:  # as gdn-train reports them
       print(f"error: {e}", file=sys.stderr)
       return 2

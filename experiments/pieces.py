@@ -1,9 +1,12 @@
 """Run a sweep in budgeted pieces: `python -m experiments.pieces --config C --jobs next --budget 540`.
 
 For a machine held a few minutes at a time (a GPU call of under ten minutes): a queue of jobs, each one (model,
-setting) group's cells for one seed or for every seed, trained stacked (`gdn-compare --stack`) in a process of
-its own and cut by what the budget has left. A job that would get less than `--min-left` seconds is not started
-(a job cut short keeps only its checkpoints, and those only while the machine keeps its results/). Then the
+setting) group's cells for one seed or for every seed, cut into the programs that `gdn-compare --stack
+--stack-size` trains (at most that many cells each), one process a program (`gdn-compare --cells`), cut by what
+the budget has left. A program is not started where it would get less than `--min-left` seconds, or less than
+`--fit` times its estimate: the longest finished program of its group (its cells' summaries have that
+program's seconds), else of the sweep (a program cut short keeps only its checkpoints, and those only while
+the machine keeps its results/); a later, shorter program may still start. Then the
 report is written, which writes each finished cell's record (results/<name>/records/<cell>/), and with
 `--archive` the records are packed into one file to carry back; unpacked beside the code and committed, they
 are what later pieces skip.
@@ -42,7 +45,7 @@ import tarfile
 import time
 
 from gdn.sweep import done, expand, groups
-from gdn.sweep.grid import tuning_seeds
+from gdn.sweep.grid import stacks, summary, tuning_seeds
 from gdn.train import ConfigError
 from gdn.train.config_file import apply_overrides, load, split_argv
 
@@ -92,12 +95,38 @@ def plan(cells, jobs) -> list:
   return left
 
 
-def job_command(spec: str, overrides, g: int, num_groups: int, seed, stack_size: int) -> list:
+def programs(cells, jobs, stack_size: int) -> list:
+  """The plan's jobs cut into one job per stacked program: (group, seed or None, the program's cell ids), as
+  `gdn-compare --stack --stack-size` would cut each job's cells left (`gdn.sweep.grid.stacks`: a program with
+  checkpoints first, as it was). One program a process, so that `--min-left` and the estimate gate each
+  program, and a program the budget cannot hold is not begun behind one that it can."""
+  gs, out = groups(cells), []
+  for g, s in jobs:  # (g, None): every cell left (a tuned sweep lists its other seeds once the tuning finished)
+    mine = [c for c in gs[g] if s is None or c.seed == s]
+    out += [(g, s, tuple(c.id for c in piece)) for piece in stacks(mine, stack_size)]
+  return out
+
+
+def estimate(cells, g: int):
+  """Seconds a program of group g is expected to take: the longest that any of its finished cells' programs
+  took (a stacked program's seconds are in each of its cells' summaries), else the longest of any group's;
+  None where no cell of the sweep has finished."""
+  seconds = lambda group: [float(x["seconds"]) for x in map(summary, group) if x and "seconds" in x]
+  gs = groups(cells)
+  own = seconds(gs[g])
+  if own:
+    return max(own)
+  every = [t for group in gs for t in seconds(group)]
+  return max(every) if every else None
+
+
+def job_command(spec: str, overrides, g: int, num_groups: int, seed, stack_size: int, ids=()) -> list:
   cmd = [sys.executable, "-m", "experiments.compare", "--config", spec, *(f"--config.{o}" for o in overrides),
          "--config.train.progress_bar=false"]
   if seed is not None:
     cmd.append(f"--config.sweep.seeds=({seed},)")
-  return cmd + ["--stack", "--stack-size", str(stack_size), "--shard", f"{g}/{num_groups}"]
+  cmd += ["--stack", "--stack-size", str(stack_size), "--shard", f"{g}/{num_groups}"]
+  return cmd + (["--cells", ",".join(ids)] if ids else [])
 
 
 def start_job(cmd, log_path: str, env=None) -> subprocess.Popen:
@@ -156,7 +185,11 @@ def main(argv=None) -> int:
                  "is false in the jobs unless set")
   p.add_argument("--log", help="append each job's command, exit code, seconds and last evaluations to this file")
   p.add_argument("--archive", help="pack results/<name>/records/ into this .tgz after the report")
-  p.add_argument("--dry-run", action="store_true", help="print the jobs' commands and exit")
+  p.add_argument("--fit", type=float, default=1.1,
+                 help="do not start a program where the time left is under this times its estimate: the longest "
+                      "finished program of its group (each cell's summary has its program's seconds), or of the "
+                      "sweep where its group has none; 0: no estimate")
+  p.add_argument("--dry-run", action="store_true", help="print the jobs' commands and estimates and exit")
   try:
     spec, overrides, rest = split_argv(argv)
     a = p.parse_args(rest)
@@ -168,7 +201,9 @@ def main(argv=None) -> int:
       raise ConfigError(f"--parallel must be >= 1, got {a.parallel}")
     config = apply_overrides(load(spec), overrides)
     cells = expand(config)
-    jobs = plan(cells, a.jobs)
+    jobs = programs(cells, plan(cells, a.jobs), a.stack_size)
+    if a.fit < 0:
+      raise ConfigError(f"--fit must be >= 0, got {a.fit:g}")
   except (ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -176,11 +211,21 @@ def main(argv=None) -> int:
   out_dir = os.path.join("results", config.name)
   labels, n = group_labels(cells), len(groups(cells))
   last_step = cells[0].config.train.last_step if cells else 0
-  print(f"{len(jobs)} job(s) with cells left: " + ", ".join(f"{labels[g]}:{'all' if s is None else s}"
-                                                         for g, s in jobs))
+  counts = {}
+  for g, s, _ in jobs:
+    counts[g, s] = counts.get((g, s), 0) + 1
+  names, seen = [], {}
+  for g, s, _ in jobs:  # "gdn:0", or "gdn:0 [1/2]" where the job's cells make several programs
+    seen[g, s] = seen.get((g, s), 0) + 1
+    names.append(f"{labels[g]}:{'all' if s is None else s}"
+                 + (f" [{seen[g, s]}/{counts[g, s]}]" if counts[g, s] > 1 else ""))
+  need = [estimate(cells, g) if a.fit else None for g, _, _ in jobs]
+  print(f"{len(jobs)} job(s) with cells left: " + ", ".join(names))
   if a.dry_run:
-    for g, s in jobs:
-      print(shlex.join(job_command(spec, overrides, g, n, s, a.stack_size)))
+    for name, (g, s, ids), secs in zip(names, jobs, need):
+      print(f"# {name}: {len(ids)} cell(s)" + (f", about {secs:.0f} s (its group's finished programs, or the "
+                                                  f"sweep's)" if secs else ""))
+      print(shlex.join(job_command(spec, overrides, g, n, s, a.stack_size, ids)))
     return 0
   where, day = machine(), datetime.date.today().isoformat()
   log_dir = os.path.join(out_dir, "runs", "pieces")
@@ -189,23 +234,27 @@ def main(argv=None) -> int:
   if a.parallel > 1 and "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # else each job would take most of a GPU
   piece_log, failed = [], False
-  queue, running = list(jobs), []  # running: (name, shown command, log path, process, start, deadline, timeout)
+  queue = list(zip(names, jobs, need))
+  running = []  # (name, shown command, log path, process, start, deadline, timeout)
   while queue or running:
     while queue and len(running) < a.parallel:  # start jobs while a slot is free and the budget holds one
       left = a.budget - a.reserve - (time.monotonic() - t0)
       if left < max(a.min_left, 1.0):
-        for g, s in queue:
-          print(f"job {labels[g]}:{'all' if s is None else s}: not started, {left:.0f} s left "
-                f"(--min-left {a.min_left:g})")
+        for name, _, _ in queue:
+          print(f"job {name}: not started, {left:.0f} s left (--min-left {a.min_left:g})")
         queue = []
         break
-      g, s = queue.pop(0)
-      name = f"{labels[g]}:{'all' if s is None else s}"
-      cmd = job_command(spec, overrides, g, n, s, a.stack_size)
+      name, (g, s, ids), secs = queue.pop(0)
+      if secs and left < a.fit * secs:  # the time left only shrinks: a later, shorter program may still fit
+        print(f"job {name}: not started, {left:.0f} s left, about {secs:.0f} s needed (--fit {a.fit:g} x the "
+              f"longest finished program of its group, or of the sweep)")
+        continue
+      cmd = job_command(spec, overrides, g, n, s, a.stack_size, ids)
       shown = shlex.join(["python"] + cmd[1:])
       print(f"job {name}: {shown} (up to {left:.0f} s)", flush=True)
       stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-      path = os.path.join(log_dir, f"{stamp}_{labels[g].replace('/', '_')}_{'all' if s is None else s}.log")
+      tag = re.sub(r"[^\w.-]+", "_", name)
+      path = os.path.join(log_dir, f"{stamp}_{tag}.log")
       start = time.monotonic()
       running.append((name, shown, path, start_job(cmd, path, env), start, start + left, left))
     for job in list(running):  # finish the jobs that have ended or run out of time

@@ -2,6 +2,7 @@
 float64 oracle and the KDA recurrence, and its fla half's plumbing with a PyTorch stand-in for fla's kernels (fla
 itself runs only on CUDA; the GPU test compares the real kernels)."""
 
+import gzip
 import sys
 import types
 
@@ -23,9 +24,12 @@ def table(out: str) -> list:
 
 
 @pytest.mark.parametrize("variant", ["gdn", "kda"])
-def test_gdn_half_runs_on_cpu(variant, capsys):
-  rows = bench_vs_fla.main(["--gdn-only", "--variant", variant, "--shapes", "1,64,1,16", "--reps", "1"])
+def test_gdn_half_runs_on_cpu(variant, capsys, tmp_path):
+  rows = bench_vs_fla.main(["--gdn-only", "--variant", variant, "--shapes", "1,64,1,16", "--reps", "1",
+                            "--hlo", str(tmp_path)])
   out = capsys.readouterr().out
+  path = tmp_path / f"gdn_{variant}_1_64_1_16.hlo.txt.gz"  # the compiled forward+backward, as --profile traces it
+  assert f"hlo: {path}" in out and "ENTRY" in gzip.open(path, "rt").read()
   assert out.startswith(f"# {variant}: gdn method='pallas' vs fla ") and "fla skipped: --gdn-only" in out, out
   (row,) = table(out)
   assert row["B, T, H, D"] == "1, 64, 1, 16"

@@ -72,6 +72,7 @@ def test_jobs_train_their_cells_log_the_last_evaluations_and_pack_the_records(sw
   text = open(log).read()
   assert text.count("job attention:0 rc=0 ") == 1 and text.count("job gdn:0 rc=0 ") == 1
   assert "--stack --stack-size 2 --shard 1/2" in text and "--config.sweep.seeds=(0,)" in text
+  assert f"--cells {cells[2].id},{cells[3].id}" in text  # each job one program, its cells named
   for c in cells:  # each cell's evaluation at its last step, as the job printed it
     assert f"{c.id}: step 8: " in text
   with tarfile.open(archive) as tar:
@@ -134,3 +135,39 @@ def test_with_tuning_seeds_the_others_wait_for_their_rate_and_then_run_as_one_jo
   # one rate: nothing to tune, every seed listed at once
   one_rate = _cells(sweep, "sweep.seeds=(0,1)", "sweep.tune_seeds=(0,)", "sweep.learning_rates=(1e-3,)")
   assert [(c.model, c.seed) for c in one_rate] == [("attention", 0), ("attention", 1), ("gdn", 0), ("gdn", 1)]
+
+
+def test_each_program_is_a_job_and_one_the_time_left_cannot_hold_is_not_started(sweep, capsys):
+  """A job's cells become one job per stacked program (`--cells`); a program is estimated by the longest
+  finished program of its group (else of the sweep) and not started where the time left is under --fit times
+  that, while a shorter one behind it may still start."""
+  cells = _cells(sweep, "sweep.seeds=(0,)")  # attention at two rates, then gdn at two rates
+  ids = [(c.id,) for c in cells]
+  assert pieces.programs(cells, pieces.plan(cells, ["next"]), 1) == [(0, 0, ids[0]), (0, 0, ids[1]),
+                                                                    (1, 0, ids[2]), (1, 0, ids[3])]
+  assert pieces.programs(cells, pieces.plan(cells, ["next"]), 0) == [(0, 0, ids[0] + ids[1]),
+                                                                    (1, 0, ids[2] + ids[3])]
+  assert pieces.estimate(cells, 0) is None
+  for cell, seconds in ((cells[0], 500.0), (cells[2], 5.0)):
+    _finish(cell)
+    with open(os.path.join(cell.config.run_dir, "summary.json"), "w") as f:
+      json.dump({"steps": cell.config.train.last_step, "seconds": seconds}, f)
+  assert pieces.estimate(cells, 0) == 500.0 and pieces.estimate(cells, 1) == 5.0
+  assert pieces.programs(cells, [(0, 0)], 1) == [(0, 0, ids[1])]  # finished cells leave their programs
+  cmd = pieces.job_command(sweep, OVERRIDES, 0, 2, 0, 1, ids[1])
+  assert cmd[-2:] == ["--cells", cells[1].id] and "--shard" in cmd
+  args = ["--config", sweep, *(f"--config.{o}" for o in OVERRIDES), "--config.sweep.seeds=(0,)"]
+  assert pieces.main([*args, "--jobs", "0:0", "--budget", "130", "--reserve", "30", "--stack-size", "1"]) == 0
+  out = capsys.readouterr().out
+  assert re.search(r"job attention:0: not started, \d+ s left, about 500 s needed \(--fit 1.1 x", out)
+  assert not os.path.exists(cells[1].config.run_dir)
+  assert pieces.main([*args, "--jobs", "0:0", "--budget", "10", "--fit", "-1"]) == 2
+  assert "--fit must be >= 0" in capsys.readouterr().err
+
+
+def test_compare_refuses_cells_the_sweep_does_not_have(sweep, capsys):
+  """(The jobs above train through `gdn-compare --cells`, one program each.)"""
+  from experiments import compare
+  args = ["--config", sweep, *(f"--config.{o}" for o in OVERRIDES), "--config.sweep.seeds=(0,)"]
+  assert compare.main([*args, "--cells", f"{_cells(sweep)[0].id},nope"]) == 2
+  assert "--cells: no cell 'nope' in this sweep" in capsys.readouterr().err

@@ -109,14 +109,22 @@ def tuning_seeds(sweep) -> tuple:
   return tuple(int(s) for s in sweep.tune_seeds) if len(sweep.learning_rates) > 1 else ()
 
 
-def final_eval(cell: Cell):
-  """The final evaluation (metric -> value) of a finished cell, from its run or its committed record ({} for a
-  cell that non-finite steps stopped); None while it has not finished."""
+def summary(cell: Cell):
+  """A finished cell's summary.json, from its run or its committed record; None otherwise."""
   for run_dir, is_done in ((cell.config.run_dir, finished(cell.config)),
                            (record_dir(cell.config.run_dir), finished_record(cell.config))):
     if is_done:
       with open(os.path.join(run_dir, "summary.json")) as f:
-        return json.load(f)["eval"]
+        return json.load(f)
+  return None
+
+
+def final_eval(cell: Cell):
+  """The final evaluation (metric -> value) of a finished cell, from its run or its committed record ({} for a
+  cell that non-finite steps stopped); None while it has not finished."""
+  found = summary(cell)
+  if found is not None:
+    return found["eval"]
   return {} if nonfinite(cell.config) else None
 
 
@@ -163,15 +171,16 @@ def groups(cells) -> list:
 
 
 def run_cells(cells, shard: int = 0, num_shards: int = 1, log=print, stack: bool = False,
-              stack_size: int = 0) -> None:
+              stack_size: int = 0, only=None) -> None:
   """Trains this shard's cells (`shard_cells`), skipping finished ones; an interrupted cell resumes from its
   checkpoint. A cell stopped by non-finite steps (train.skip_nonfinite) is logged, has no summary and is marked
   (`records.mark_nonfinite`): the sweep counts it done, and its report names it.
 
   stack: train each (model, setting) group's cells as one program (gdn/train/stacked.py), at most `stack_size`
-  cells each (0: the whole group); a group whose cells have all finished is skipped.
+  cells each (0: the whole group); a group whose cells have all finished is skipped. only: a set of cell ids,
+  the shard's cells to train (None: all of them).
   """
-  mine = shard_cells(cells, shard, num_shards)
+  mine = [c for c in shard_cells(cells, shard, num_shards) if only is None or c.id in only]
   if stack:
     _run_stacked(mine, stack_size, log)
     return
