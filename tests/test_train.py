@@ -310,7 +310,8 @@ def test_chunked_loss_equals_the_whole_logits_loss(scan_layers):
   from gdn.model import LanguageModel
 
   cfg = ModelConfig(vocab_size=61, d_model=32, num_layers=2, pattern="RA", scan_layers=scan_layers,
-                    tie_embeddings=not scan_layers, recurrent=RecurrentConfig(num_heads=2, head_dim=16),
+                    tie_embeddings=not scan_layers,
+                    recurrent=RecurrentConfig(num_heads=2, head_dim=16, method="recurrent"),  # the head is the subject
                     attention=AttentionConfig(num_heads=2, head_dim=16))
   r = np.random.default_rng(0)
   B, T = 3, 13
