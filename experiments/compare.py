@@ -8,7 +8,8 @@ not: a report written elsewhere still has every cell, and a cell with a finished
 `--import-csv` makes records from an older report's results.csv. `--shard i/n` runs every n-th (model, setting)
 group of cells from the i-th (one machine or process each; a group's seeds and learning rates share compiled
 programs, so they stay on one shard); `--stack` trains each group's cells as one program (gdn/train/stacked.py;
-`--stack-size K`: at most K cells each); `--cells ID,...` trains only those cells; `--report` only writes the report from the runs and records present.
+`--stack-size K`: at most K cells each); `--cells ID,...` trains only those cells; `--report` only writes the
+report from the runs and records present.
 """
 
 from __future__ import annotations
