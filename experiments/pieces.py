@@ -33,6 +33,7 @@ its exit code (124: cut by the budget) and seconds, and each finished cell's las
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import os
 import re
@@ -211,12 +212,9 @@ def main(argv=None) -> int:
   out_dir = os.path.join("results", config.name)
   labels, n = group_labels(cells), len(groups(cells))
   last_step = cells[0].config.train.last_step if cells else 0
-  counts = {}
-  for g, s, _ in jobs:
-    counts[g, s] = counts.get((g, s), 0) + 1
-  names, seen = [], {}
+  counts, seen, names = collections.Counter((g, s) for g, s, _ in jobs), collections.Counter(), []
   for g, s, _ in jobs:  # "gdn:0", or "gdn:0 [1/2]" where the job's cells make several programs
-    seen[g, s] = seen.get((g, s), 0) + 1
+    seen[g, s] += 1
     names.append(f"{labels[g]}:{'all' if s is None else s}"
                  + (f" [{seen[g, s]}/{counts[g, s]}]" if counts[g, s] > 1 else ""))
   need = [estimate(cells, g) if a.fit else None for g, _, _ in jobs]
