@@ -253,7 +253,8 @@ def main(argv=None) -> list:
                  help="one table per setting of the gdn.ops module switch, e.g. intra_chunk.SEGSUM_MATMUL=off,on")
   p.add_argument("--hlo", metavar="DIR",
                  help="write the optimised HLO of gdn's forward+backward at each shape (the program that --profile "
-                      "traces, whose fusion names its kernel table shows) to DIR/gdn_<variant>_B_T_H_D.hlo.txt.gz")
+                      "traces, whose fusion names its kernel table shows) to DIR/gdn_<variant>_B_T_H_D.hlo.txt.gz "
+                      "(with --switch, one per setting: ..._B_T_H_D_NAME_setting.hlo.txt.gz)")
   add_autotune_cache(p)
   p.add_argument("--profile-json", metavar="PATH", help=argparse.SUPPRESS)  # a profiling child's output
   a = p.parse_args(argv)
@@ -290,9 +291,11 @@ def main(argv=None) -> list:
       setattr(module, name, SETTINGS[setting])
       try:
         rows += [dict(r, switch=setting) for r in table(a, shapes, torch, switch_arg=f"{a.switch.partition('=')[0]}={setting}")]
+        for shape in shapes if a.hlo else ():  # each setting's program, its file named by the setting
+          print(f"hlo: {write_hlo(a.hlo, a.variant, shape, a.dtype, a.g_dtype, tag=f'{name}_{setting}')}")
       finally:
         setattr(module, name, before)
-  if a.hlo:
+  if a.hlo and switch is None:
     for shape in shapes:
       print(f"hlo: {write_hlo(a.hlo, a.variant, shape, a.dtype, a.g_dtype)}")
   if a.profile_json:
@@ -307,15 +310,15 @@ def main(argv=None) -> list:
   return rows
 
 
-def write_hlo(where: str, variant: str, shape, dtype, g_dtype) -> str:
+def write_hlo(where: str, variant: str, shape, dtype, g_dtype, tag: str = "") -> str:
   """The optimised HLO text of gdn's forward+backward (the program `profiles` traces) at one shape, gzipped
-  under `where`; its path."""
+  under `where` (with --switch, one file per setting, `tag` in its name); its path."""
   import gzip
 
   args, do = variant_inputs(variant, shape, dtype, g_dtype)
   text = jax.jit(vjp_of(make_fn("pallas", None))).lower(do, *args).compile().as_text()
   os.makedirs(where, exist_ok=True)
-  path = os.path.join(where, f"gdn_{variant}_{'_'.join(map(str, shape))}.hlo.txt.gz")
+  path = os.path.join(where, f"gdn_{variant}_{'_'.join(map(str, shape))}{'_' + tag if tag else ''}.hlo.txt.gz")
   with gzip.open(path, "wt") as f:
     f.write(text)
   return path

@@ -39,9 +39,9 @@ def test_gdn_half_runs_on_cpu(variant, capsys, tmp_path):
   assert [r["shape"] for r in rows] == [(1, 64, 1, 16)] and "fla_fwd" not in rows[0]
 
 
-def test_switch_prints_a_table_per_setting_and_restores_it(monkeypatch, capsys):
-  """--switch: one table per setting, gdn's side built with the module switch set to it, then restored; a bad
-  spec is refused naming the flag."""
+def test_switch_prints_a_table_per_setting_and_restores_it(monkeypatch, capsys, tmp_path):
+  """--switch: one table per setting, gdn's side built with the module switch set to it, then restored (with
+  --hlo, one program per setting); a bad spec is refused naming the flag."""
   from gdn.ops import intra_chunk
 
   seen, build = [], bench_vs_fla.gdn_side
@@ -49,9 +49,11 @@ def test_switch_prints_a_table_per_setting_and_restores_it(monkeypatch, capsys):
                       lambda *a: (seen.append(intra_chunk.SEGSUM_MATMUL), build(*a))[1])
   before = intra_chunk.SEGSUM_MATMUL
   rows = bench_vs_fla.main(["--gdn-only", "--variant", "kda", "--shapes", "1,64,1,16", "--reps", "1",
-                            "--switch", "intra_chunk.SEGSUM_MATMUL=on,off"])
+                            "--switch", "intra_chunk.SEGSUM_MATMUL=on,off", "--hlo", str(tmp_path)])
   out = capsys.readouterr().out
   assert seen == [True, False] and intra_chunk.SEGSUM_MATMUL is before
+  texts = [gzip.open(tmp_path / f"gdn_kda_1_64_1_16_SEGSUM_MATMUL_{s}.hlo.txt.gz", "rt").read() for s in ("on", "off")]
+  assert all("ENTRY" in t for t in texts) and texts[0] != texts[1] and f"hlo: {tmp_path}" in out
   assert [r["switch"] for r in rows] == ["on", "off"]
   assert out.count("| B, T, H, D |") == 2 and "## gdn with gdn.ops.intra_chunk.SEGSUM_MATMUL=off" in out
   for bad in ("intra_chunk.SEGSUM_MATMUL=yes", "intra_chunk.NO_SUCH=on", "nomodule.X=on", "SEGSUM_MATMUL",

@@ -162,7 +162,7 @@ def test_for_decoding_widens_the_mlp_with_zeros(scan):
 @pytest.mark.parametrize("scan", [False, True])
 def test_lean_matmuls_of_one_row_run_on_two(monkeypatch, scan):
   """At batch 1 the lean model's matmuls whose weight is under XLA's strength-reduction size run on the row and a
-  zero row (`gdn.layers.fused.PAD_SINGLE_ROW`; off by default, "auto" on a GPU only): the decode step's logits
+  zero row (`gdn.layers.fused.PAD_SINGLE_ROW`; by default "auto": on a GPU only): the decode step's logits
   are those without, its compiled dots take two rows, and at batch 2 nothing is padded."""
   from gdn.layers import fused
   from gdn.model import for_decoding

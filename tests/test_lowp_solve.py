@@ -147,3 +147,30 @@ def test_products_backward_without_transposes(monkeypatch):
   for a, b in zip(got, want):
     assert a.dtype == b.dtype == jnp.bfloat16
     assert rel(np.asarray(a, np.float64), np.asarray(b, np.float64)) < 1e-2
+
+
+def test_solve_beta_vjp(monkeypatch):
+  """SOLVE_BETA_VJP (the W/U products' VJP with beta apart): the stage's outputs bit for bit those without it, its
+  cotangents equal autodiff's to bfloat16 rounding (beta's, which it forms as colsum(T * G) rather than
+  rowsum((T^T dU) * v), included), fewer bytes kept for the backward; the whole bfloat16 op (packed
+  segments, grouped value heads, beta up to 2) within 1e-2 of the float64 oracle."""
+  monkeypatch.setattr(intra_chunk, "LOWP_SOLVE", True)
+  L, C, K, V = 3, 32, 16, 8
+  arrays, masks = local_inputs(4, L, C, K, V, jnp.bfloat16, segments=True)
+  fn = lambda *xs: intra_chunk.local(*xs[:5], xs[5:], beta_kind="head", prec=PREC)
+  got = {}
+  for on in (False, True):
+    monkeypatch.setattr(intra_chunk, "SOLVE_BETA_VJP", on)
+    out, pull = jax.vjp(fn, *arrays, *masks)
+    ct = jax.tree.map(lambda x: jnp.asarray(np.random.default_rng(5).normal(size=x.shape), x.dtype), out)
+    got[on] = out, pull(ct)[:5], kept(fn, arrays, masks)
+  for a, b in zip(jax.tree.leaves(got[True][0]), jax.tree.leaves(got[False][0])):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  for name, a, b in zip("q k v g beta".split(), got[True][1], got[False][1]):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)) and rel(a, b) < 1e-2, (name, rel(a, b))
+  nbytes = lambda res: sum(np.prod(shape) * np.dtype(dt).itemsize for shape, dt in res)
+  assert nbytes(got[True][2]) < nbytes(got[False][2]), (got[True][2], got[False][2])
+  x_bf, x_ref = bfloat16_inputs(make_inputs(53, 2, 72, 1, 2, 32, 32, "head", "head", segments=True, beta_max=2.0))
+  assert_close(test_ops.run("pallas", x_bf, chunk_size=16, switches=(("SOLVE_BETA_VJP", True),)),
+               oracle(x_ref, chunk_size=16), 1e-2, "bf16 pallas SOLVE_BETA_VJP")

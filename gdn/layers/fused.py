@@ -16,16 +16,16 @@ from flax import nnx
 from gdn.ops import pallas_matvec
 
 # A matmul of one input row computed on two (the row and a zero row, the second output dropped), where its
-# weight has fewer than STRENGTH_REDUCED elements: True always, False never (the default), None (auto) on a GPU
-# only. Timed on the H200 (`bench_decode --switch layers.fused.PAD_SINGLE_ROW=off,auto`,
-# results/benchmarks/h200_2026-12-03/decode_pad_matvec.txt) it took a batch-1 step from 0.859 to 0.837 ms and left
-# batch 8 as it was, in one call; off until a second call confirms that. Why it was built: at
+# weight has fewer than STRENGTH_REDUCED elements: True always, False never, None (auto, the default) on a GPU
+# only. Timed on the H200 (`bench_decode --switch layers.fused.PAD_SINGLE_ROW=off,auto`) in two calls it took a
+# batch-1 step from 0.859 to 0.837 ms and from 0.874 to 0.832 ms and left batch 8 as it was (0.790, 0.789 ms;
+# results/benchmarks/h200_2026-12-03/decode_pad_matvec.txt, decode_pad_confirm.txt), hence auto. Why it was built: at
 # batch 1 a decode step's input is a vector, and XLA's GPU algebraic simplifier rewrites a dot of a vector and a
 # matrix of under 10M elements in all (ShouldStrengthReduceDotToReduce, a constant of XLA's, not an option)
 # as a multiply and a reduction, which writes the whole product matrix and reads it back. On the H200 that made
 # the 2048 x 2048 output projection of a decode step take 12 us a layer where a GEMM at batch 8 takes 4.6
 # (results/benchmarks/h200_2026-12-03/decode_profile.txt). A dot of two rows is a matrix product, left a GEMM.
-PAD_SINGLE_ROW = False
+PAD_SINGLE_ROW = None
 STRENGTH_REDUCED = 10_000_000
 
 

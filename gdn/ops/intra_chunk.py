@@ -48,6 +48,15 @@ LOCAL_VJP = False
 # 8.22 to 7.60 GiB (fla's layer: 27.14 ms, 6.40 GiB); on CPU it adds up to 25% to the bfloat16 pipeline's errors
 # against the float64 oracle (docs/benchmarks.md).
 LOWP_SOLVE = True
+# LOWP_SOLVE's two products W = T (Diag(beta) k_dec) and U = T (Diag(beta) v) with beta kept apart in their VJP
+# (per-head beta, 16-bit inputs): True, one `jax.custom_vjp` (`_solve_apply`) whose backward forms the [C, C]
+# G = dW k_dec^T + dU v^T once, in float32, and takes dT = G Diag(beta), beta's share colsum(T * G) (a reduction
+# over [C, C] per chunk, in the chunk layout) and dk_dec, dv = Diag(beta) T^T (dW, dU); False, `_apply_lowp` per
+# product and autodiff of beta x, whose share of beta's gradient, rowsum((T^T dU) * v), XLA:GPU forms in one fusion
+# with v's relayout and the gradient's transpose back to [B, T, HV] (0.54 ms of 6.24 at (2, 16384, 16, 128) on
+# the H200, bfloat16: results/benchmarks/h200_2026-12-03/profile_gdn_hlo.txt). The forward is the same. Read at
+# trace time.
+SOLVE_BETA_VJP = False
 # The span sums of the log-decays in the chunk-local stage: the pairwise seg[t, i] = sum_{i < j <= t} g_j
 # (`_segsum`; per head over the chunk, per key channel over each sub-chunk), gamma_t = sum_{j <= t} g_j and the sums
 # to the chunk's end. True, each one float32 matmul of g with a constant 0/1 tensor (full float32 precision: the
@@ -307,7 +316,10 @@ def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str):
     # right-hand side to concatenate, and in the backward no float32 [L, C, K + V] cotangent of the joint result
     # (the sum of its two slices' padded cotangents, the largest buffer at the layer's peak on the card).
     T = invert_unit_lower(b * A, prec, dtype=sdt)
-    W, U = (_apply_lowp(prec, T, (b * x).astype(sdt)) for x in (k_dec, v))
+    if SOLVE_BETA_VJP:
+      W, U = _solve_apply(prec, (jnp.dtype(k_dec.dtype), jnp.dtype(v.dtype)), T, beta, k_dec, v)
+    else:
+      W, U = (_apply_lowp(prec, T, (b * x).astype(sdt)) for x in (k_dec, v))
     return out(A, W, U), T
   rhs = jnp.concatenate([b * k_dec, b * v], axis=-1)
   T = None
@@ -342,6 +354,39 @@ def _apply_lowp_bwd(prec, res, dY):
 
 
 _apply_lowp.defvjp(_apply_lowp_fwd, _apply_lowp_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _solve_apply(prec, dtypes, T, beta, kd, v):
+  """(W, U) = (T (beta kd), T (beta v)) in T's 16-bit dtype for T [.., C, C], beta [.., C], kd [.., C, K] (float32
+  or 16-bit) and v [.., C, V], each right-hand side rounded to T's dtype as `_apply_lowp`'s (SOLVE_BETA_VJP);
+  dtypes: (kd's, v's), the dtypes of their cotangents."""
+  b = beta[..., None]
+  return tuple(mm("...ti,...ix->...tx", T, (b * x).astype(T.dtype), precision=prec).astype(T.dtype)
+               for x in (kd, v))
+
+
+def _solve_apply_fwd(prec, dtypes, T, beta, kd, v):
+  # kd and v kept in T's dtype: for 16-bit inputs v is already, and kd's rounding is the forward's own precision.
+  return _solve_apply(prec, dtypes, T, beta, kd, v), (T, beta, kd.astype(T.dtype), v.astype(T.dtype))
+
+
+def _solve_apply_bwd(prec, dtypes, res, cts):
+  """With dX = (dW, dU): G[t, i] = sum_x dX[t, x] x[i, x] over both products (16-bit operands, float32 sums);
+  dT = G Diag(beta) (column i times beta_i), dbeta_i = sum_t T[t, i] G[t, i], dx = Diag(beta) T^T dX."""
+  T, beta, kd, v = res
+  dW, dU = (c.astype(T.dtype) for c in cts)
+  G = mm("...tx,...ix->...ti", dW, kd, precision=prec) + mm("...tx,...ix->...ti", dU, v, precision=prec)
+  cdt = G.dtype
+  bf = beta.astype(cdt)
+  dT = (G * bf[..., None, :]).astype(T.dtype)
+  dbeta = jnp.sum(T.astype(cdt) * G, axis=-2).astype(beta.dtype)
+  dkd, dv = ((bf[..., None] * mm("...ti,...tx->...ix", T, dX, precision=prec)).astype(dt)
+             for dX, dt in zip((dW, dU), dtypes))
+  return dT, dbeta, dkd, dv
+
+
+_solve_apply.defvjp(_solve_apply_fwd, _solve_apply_bwd)
 
 
 def _cumsum_excl(x, axis):
