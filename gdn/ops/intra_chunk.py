@@ -49,13 +49,16 @@ LOCAL_VJP = False
 # against the float64 oracle (docs/benchmarks.md).
 LOWP_SOLVE = True
 # LOWP_SOLVE's two products W = T (Diag(beta) k_dec) and U = T (Diag(beta) v) with beta kept apart in their VJP
-# (per-head beta, 16-bit inputs): True, one `jax.custom_vjp` (`_solve_apply`) whose backward forms the [C, C]
-# G = dW k_dec^T + dU v^T once, in float32, and takes dT = G Diag(beta), beta's share colsum(T * G) (a reduction
-# over [C, C] per chunk, in the chunk layout) and dk_dec, dv = Diag(beta) T^T (dW, dU); False, `_apply_lowp` per
-# product and autodiff of beta x, whose share of beta's gradient, rowsum((T^T dU) * v), XLA:GPU forms in one fusion
-# with v's relayout and the gradient's transpose back to [B, T, HV] (0.54 ms of 6.24 at (2, 16384, 16, 128) on
-# the H200, bfloat16: results/benchmarks/h200_2026-12-03/profile_gdn_hlo.txt). The forward is the same. Read at
-# trace time.
+# (per-head beta, per-head or no decay, 16-bit inputs): True, one `jax.custom_vjp` (`_solve_apply`) that takes k
+# and its per-row decay e (k_dec = k e) rather than a k_dec copy, and whose backward forms the [C, C]
+# G = dW k^T Diag(e) + dU v^T once and takes dT = G Diag(beta), beta's share colsum(T * G) (a reduction over
+# [C, C] per chunk, in the chunk layout) and dk, de, dv from T^T (dW, dU), every product written in the 16-bit
+# dtype as `_apply_lowp`'s; False, `_apply_lowp` per product and autodiff of beta k_dec and beta v, whose share of
+# beta's gradient, rowsum((T^T dU) * v), XLA:GPU forms in one fusion with v's relayout and the gradient's
+# transpose back to [B, T, HV] (0.54 ms of 6.24 at (2, 16384, 16, 128) on the H200, bfloat16:
+# results/benchmarks/h200_2026-12-03/profile_gdn_hlo.txt). The forward's values are the same. A first form (float32
+# G and T^T dX, a k_dec copy kept; 9a248da) took that fusion to 0.19 ms but the op's forward+backward to 0.998,
+# 1.028 and 1.077 of its time at three shapes (docs/benchmarks.md); this one is not timed yet. Read at trace time.
 SOLVE_BETA_VJP = False
 # The span sums of the log-decays in the chunk-local stage: the pairwise seg[t, i] = sum_{i < j <= t} g_j
 # (`_segsum`; per head over the chunk, per key channel over each sub-chunk), gamma_t = sum_{j <= t} g_j and the sums
@@ -279,6 +282,7 @@ def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str):
     A = dot("...tk,...ik->...ti", k, k)
     P = jnp.where(incl, dot("...tk,...ik->...ti", q, k), 0.0)
     q_dec, k_dec, k_end = q, k, k
+    e_kd = jnp.ones(k.shape[:-1] + (1,), jnp.promote_types(jnp.float32, k.dtype))  # k_dec = k e_kd
     decay = jnp.ones(k.shape[:-2] + (1,), k.dtype)
   else:
     ax = 1  # the C axis of [L, C, ...]
@@ -291,7 +295,9 @@ def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str):
     else:
       A, P = _pair_channel(q, k, g, dot)
       total = gam[..., -1, :]
-    q_dec, k_dec, k_end = q * jnp.exp(gam), k * jnp.exp(gam), k * jnp.exp(to_end)
+    e_gam = jnp.exp(gam)
+    q_dec, k_dec, k_end = q * e_gam, k * e_gam, k * jnp.exp(to_end)
+    e_kd = e_gam if g.ndim == 2 else None  # per row: k_dec = k e_kd (SOLVE_BETA_VJP)
     decay = jnp.exp(total)
   if masks is not None:
     same, carries, reaches_end, unbroken = masks
@@ -299,6 +305,7 @@ def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str):
     A = jnp.where(same, A, 0.0)
     q_dec = jnp.where(carries[..., None], q_dec, 0.0)
     k_dec = jnp.where(carries[..., None], k_dec, 0.0)
+    e_kd = None if e_kd is None else jnp.where(carries[..., None], e_kd, 0.0)
     k_end = jnp.where(reaches_end[..., None], k_end, 0.0)
     decay = jnp.where(unbroken, decay, 0.0)
   out = lambda A, W, U: Local(*(x.astype(odt) for x in (q_dec, k_dec, k_end)), decay, P.astype(odt), A,
@@ -316,8 +323,8 @@ def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str):
     # right-hand side to concatenate, and in the backward no float32 [L, C, K + V] cotangent of the joint result
     # (the sum of its two slices' padded cotangents, the largest buffer at the layer's peak on the card).
     T = invert_unit_lower(b * A, prec, dtype=sdt)
-    if SOLVE_BETA_VJP:
-      W, U = _solve_apply(prec, (jnp.dtype(k_dec.dtype), jnp.dtype(v.dtype)), T, beta, k_dec, v)
+    if SOLVE_BETA_VJP and e_kd is not None:
+      W, U = _solve_apply(prec, T, beta, k, e_kd, v)
     else:
       W, U = (_apply_lowp(prec, T, (b * x).astype(sdt)) for x in (k_dec, v))
     return out(A, W, U), T
@@ -356,34 +363,39 @@ def _apply_lowp_bwd(prec, res, dY):
 _apply_lowp.defvjp(_apply_lowp_fwd, _apply_lowp_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _solve_apply(prec, dtypes, T, beta, kd, v):
-  """(W, U) = (T (beta kd), T (beta v)) in T's 16-bit dtype for T [.., C, C], beta [.., C], kd [.., C, K] (float32
-  or 16-bit) and v [.., C, V], each right-hand side rounded to T's dtype as `_apply_lowp`'s (SOLVE_BETA_VJP);
-  dtypes: (kd's, v's), the dtypes of their cotangents."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _solve_apply(prec, T, beta, k, e, v):
+  """(W, U) = (T (beta k_dec), T (beta v)), k_dec = k e, in T's 16-bit dtype (SOLVE_BETA_VJP): T [.., C, C], beta
+  [.., C], k [.., C, K] and v [.., C, V] (T's dtype), e [.., C, 1] the per-row decay (float32; zero where a reset
+  cuts the row). Each right-hand side rounded to T's dtype as `_apply_lowp`'s: the same values as W, U there."""
   b = beta[..., None]
-  return tuple(mm("...ti,...ix->...tx", T, (b * x).astype(T.dtype), precision=prec).astype(T.dtype)
-               for x in (kd, v))
+  return tuple(mm("...ti,...ix->...tx", T, x.astype(T.dtype), precision=prec).astype(T.dtype)
+               for x in (b * (k * e), b * v))
 
 
-def _solve_apply_fwd(prec, dtypes, T, beta, kd, v):
-  # kd and v kept in T's dtype: for 16-bit inputs v is already, and kd's rounding is the forward's own precision.
-  return _solve_apply(prec, dtypes, T, beta, kd, v), (T, beta, kd.astype(T.dtype), v.astype(T.dtype))
+def _solve_apply_fwd(prec, T, beta, k, e, v):
+  return _solve_apply(prec, T, beta, k, e, v), (T, beta, k, e, v)
 
 
-def _solve_apply_bwd(prec, dtypes, res, cts):
-  """With dX = (dW, dU): G[t, i] = sum_x dX[t, x] x[i, x] over both products (16-bit operands, float32 sums);
-  dT = G Diag(beta) (column i times beta_i), dbeta_i = sum_t T[t, i] G[t, i], dx = Diag(beta) T^T dX."""
-  T, beta, kd, v = res
+def _solve_apply_bwd(prec, res, cts):
+  """With dX = (dW, dU) in T's dtype: G[t, i] = (dW k^T)[t, i] e_i + (dU v^T)[t, i] (each product's float32 sums
+  rounded to T's dtype where it is made, as `_apply_lowp`'s dT), dT = G Diag(beta), dbeta_i = sum_t T[t, i] G[t, i];
+  with dR = T^T dX (likewise rounded): dk = Diag(beta e) dR_w, de_i = beta_i sum_k dR_w[i, k] k[i, k],
+  dv = Diag(beta) dR_u."""
+  T, beta, k, e, v = res
   dW, dU = (c.astype(T.dtype) for c in cts)
-  G = mm("...tx,...ix->...ti", dW, kd, precision=prec) + mm("...tx,...ix->...ti", dU, v, precision=prec)
-  cdt = G.dtype
-  bf = beta.astype(cdt)
-  dT = (G * bf[..., None, :]).astype(T.dtype)
-  dbeta = jnp.sum(T.astype(cdt) * G, axis=-2).astype(beta.dtype)
-  dkd, dv = ((bf[..., None] * mm("...ti,...tx->...ix", T, dX, precision=prec)).astype(dt)
-             for dX, dt in zip((dW, dU), dtypes))
-  return dT, dbeta, dkd, dv
+  lp = lambda spec, x, y: mm(spec, x, y, precision=prec).astype(T.dtype)
+  cdt = jnp.promote_types(jnp.float32, T.dtype)
+  f = lambda x: x.astype(cdt)
+  col = lambda x: jnp.swapaxes(x, -1, -2)  # [.., C, 1] -> [.., 1, C]: scales column i by x_i
+  b = f(beta)[..., None]
+  G = f(lp("...tx,...ix->...ti", dW, k)) * col(e) + f(lp("...tx,...ix->...ti", dU, v))
+  dT = (G * col(b)).astype(T.dtype)
+  dbeta = jnp.sum(f(T) * G, axis=-2).astype(beta.dtype)
+  dRw, dRu = f(lp("...ti,...tx->...ix", T, dW)), f(lp("...ti,...tx->...ix", T, dU))
+  dk = (dRw * (b * e)).astype(k.dtype)
+  de = (b * jnp.sum(dRw * f(k), axis=-1, keepdims=True)).astype(e.dtype)
+  return dT, dbeta, dk, de, (dRu * b).astype(v.dtype)
 
 
 _solve_apply.defvjp(_solve_apply_fwd, _solve_apply_bwd)
