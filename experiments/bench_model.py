@@ -60,6 +60,9 @@ def parse_args(argv=None):
 
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", default="configs/lm_paper.py:gdn-340m", help="a config file spec (FILE.py[:ARG])")
+  p.add_argument("--sweep-model", metavar="NAME",
+                 help="one model of the config's sweep (sweep.models, e.g. kda_15to1 of configs/lm_hybrids.py): "
+                      "its overrides first, then --override's")
   p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                  help="any config key, e.g. model.remat=dots (repeatable)")
   p.add_argument("--switch", action="append", default=[], metavar="MODULE.NAME=VALUE",
@@ -97,10 +100,18 @@ def parse_args(argv=None):
 def experiment_config(a, *extra):
   if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-  from gdn.train.config_file import resolve
+  from gdn.train.config import ConfigError
+  from gdn.train.config_file import load, resolve
 
   spec = a.config if os.path.isabs(a.config.partition(":")[0]) else os.path.join(ROOT, a.config)
-  return resolve(spec, [f"data.text.seq_len={a.seq_len}", *a.override, *extra])
+  model = []
+  if a.sweep_model:
+    models = dict(load(spec).get("sweep", {}).get("models", {}) or {})
+    if a.sweep_model not in models:
+      raise ConfigError(f"--sweep-model {a.sweep_model!r} is not a model of {a.config}'s sweep.models; choose from "
+                        f"{', '.join(sorted(models)) or 'none (the config has no sweep models)'}")
+    model = list(models[a.sweep_model])
+  return resolve(spec, [*model, f"data.text.seq_len={a.seq_len}", *a.override, *extra])
 
 
 def tokens(a, vocab: int, dtype: str):
@@ -300,7 +311,7 @@ def measure(a) -> list:
   dev = jax.devices()[0]
   n_tok = a.batch * a.seq_len
   n_layers = "each row's" if a.depths else m.num_layers
-  spec = " ".join([a.config] + a.override) + "".join(f"; gdn switch {w}" for w in a.switch)
+  spec = " ".join([a.config] + ([f"--sweep-model {a.sweep_model}"] if a.sweep_model else []) + a.override) + "".join(f"; gdn switch {w}" for w in a.switch)
   print(f"# {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}; {spec}: "
         f"{m.pattern} x {n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}, {m.dtype} compute, "
         f"remat {m.remat}, method {m.recurrent.method}; {a.batch} x {a.seq_len} tokens a step; "

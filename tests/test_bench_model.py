@@ -99,3 +99,19 @@ def test_token_file_batch_and_embed_switch(tmp_path, capsys, fast_compile):
   (np.arange(40, dtype=np.uint16) + 60).tofile(tmp_path / "wide.bin")
   with pytest.raises(ValueError):
     bench_model.tokens(bench_model.parse_args(TINY + ["--token-file", str(tmp_path / "wide.bin")]), 64, "uint16")
+
+
+def test_sweep_model_takes_its_overrides_first():
+  """--sweep-model NAME builds that model of the config's sweep (its overrides, then --override's); an unknown
+  name is refused with the sweep's models listed."""
+  from gdn.train.config import ConfigError
+
+  a = bench_model.parse_args(["--config", "configs/lm_hybrids.py:small", "--sweep-model", "kda_15to1",
+                              "--override", "model.num_layers=4"])
+  m = bench_model.experiment_config(a).model
+  assert m.pattern == "R" * 15 + "A" and m.recurrent.decay == "channel" and m.num_layers == 4
+  assert bench_model.experiment_config(bench_model.parse_args(["--config", "configs/lm_hybrids.py:small"])) \
+      .model.recurrent.decay != "channel"
+  with pytest.raises(ConfigError, match="kda_3to1"):
+    bench_model.experiment_config(bench_model.parse_args(["--config", "configs/lm_hybrids.py:small",
+                                                          "--sweep-model", "nope"]))

@@ -154,3 +154,37 @@ def test_pair_remat_keeps_no_pair_products(monkeypatch, segsum_matmul):
     if a is None:
       continue
     assert rel(np.asarray(a, np.float64), np.asarray(b, np.float64)) < 1e-5
+
+
+def test_channel_pair_remat_keeps_no_sub_chunk_decays(monkeypatch):
+  """`intra_chunk.CHANNEL_PAIR_REMAT`: with a per-key-channel decay the chunk-local stage's VJP no longer keeps
+  the pair stage's float32 sub-chunk tensors (the diagonal blocks' [L, M, c, c, K] decays, the off-diagonal
+  [L, n, m, c, K] factors), keeps fewer bytes, and gives the same outputs and input cotangents to float32
+  rounding (packed segments)."""
+  from gdn.bench.residuals import saved_residuals
+  from test_local_vjp import local_inputs
+
+  L, C, K, V = 2, 32, 8, 8
+  M, c = C // intra_chunk.SUB_CHUNK, intra_chunk.SUB_CHUNK
+  arrays, masks = local_inputs(5, L, C, K, V, jnp.bfloat16, segments=True)
+  arrays[3] = jnp.asarray(np.log(np.random.default_rng(1).uniform(0.5, 1.0, (L, C, K))), jnp.float32)  # per key
+  arrays32 = [x.astype(jnp.float32) for x in arrays]
+  rng = np.random.default_rng(0)
+  kept, outs = {}, {}
+  for on in (False, True):
+    monkeypatch.setattr(intra_chunk, "CHANNEL_PAIR_REMAT", on)
+    fn = lambda *xs: intra_chunk.local(*xs[:5], xs[5:], beta_kind="head", prec=jax.lax.Precision.HIGHEST)
+    kept[on] = [r for r in saved_residuals(fn, *arrays, *masks) if r.what != "argument"]
+    if not outs:
+      shapes = jax.eval_shape(fn, *arrays32, *masks)
+      cts = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), shapes)
+    outs[on] = jax.jit(lambda xs, ct: (lambda o, pull: (o, pull(ct)[:5]))(*jax.vjp(fn, *xs)))(
+        (*arrays32, *masks), cts)
+  sub = {on: [r.shape for r in kept[on] if r.shape in ((L, M, c, c, K), (L, M, M, c, K))] for on in kept}
+  assert sub[False] and not sub[True], sub
+  nbytes = {on: sum(r.bytes for r in kept[on]) for on in kept}
+  assert nbytes[True] < nbytes[False] / 2, nbytes
+  for a, b in zip(jax.tree.leaves(outs[True]), jax.tree.leaves(outs[False])):
+    if a is None:
+      continue
+    assert rel(np.asarray(a, np.float64), np.asarray(b, np.float64)) < 1e-5

@@ -58,7 +58,9 @@ LOWP_SOLVE = True
 # transpose back to [B, T, HV] (0.54 ms of 6.24 at (2, 16384, 16, 128) on the H200, bfloat16:
 # results/benchmarks/h200_2026-12-03/profile_gdn_hlo.txt). The forward's values are the same. A first form (float32
 # G and T^T dX, a k_dec copy kept; 9a248da) took that fusion to 0.19 ms but the op's forward+backward to 0.998,
-# 1.028 and 1.077 of its time at three shapes (docs/benchmarks.md); this one is not timed yet. Read at trace time.
+# 1.028 and 1.077 of its time at three shapes; this one to 0.957, 1.079 and 1.016 ((2, 16384, 16, 128),
+# (4, 2048, 16, 128), (1, 8192, 96, 128)) and the layer's step to 0.995 with 0.09 GiB less peak
+# (docs/benchmarks.md): off. Read at trace time.
 SOLVE_BETA_VJP = False
 # The span sums of the log-decays in the chunk-local stage: the pairwise seg[t, i] = sum_{i < j <= t} g_j
 # (`_segsum`; per head over the chunk, per key channel over each sub-chunk), gamma_t = sum_{j <= t} g_j and the sums
@@ -83,6 +85,14 @@ SEGSUM_MATMUL = None
 # True took that layer's bfloat16 training step from 27.26 to 28.17 ms for a peak 0.12 GiB lower
 # (docs/benchmarks.md).
 PAIR_REMAT = False
+# The same for a per-key-channel decay (KDA, `_pair_channel`): True, under `jax.checkpoint`, so that the backward
+# recomputes A and P from q, k and g instead of keeping the float32 diagonal sub-chunk decays [L, C/16, 16, 16, K],
+# the off-diagonal factors [L, n, m, 16, K] and their products with k and q: 3,385 -> 469 MiB of residuals for the
+# op at (64, 512, 2 heads x 128), bfloat16, pallas (about 7x less; 15 such layers kept 14 of a 16-layer KDA model's
+# 38 GiB on XLA:CPU at 64 x 512 tokens). XLA:CPU's compiled estimate of that model does not fall with it (its
+# scheduler runs every layer's recomputation at once, before the backward reaches them); the GPU's is not measured
+# yet. False: autodiff keeps them. Read at trace time.
+CHANNEL_PAIR_REMAT = False
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -293,7 +303,8 @@ def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str):
       A, P = (jax.checkpoint(pair) if PAIR_REMAT else pair)(q, k, g)
       gam, to_end, total = gam[..., None], to_end[..., None], gam[..., -1:]
     else:
-      A, P = _pair_channel(q, k, g, dot)
+      pair = functools.partial(_pair_channel, dot=dot)
+      A, P = (jax.checkpoint(pair) if CHANNEL_PAIR_REMAT else pair)(q, k, g)
       total = gam[..., -1, :]
     e_gam = jnp.exp(gam)
     q_dec, k_dec, k_end = q * e_gam, k * e_gam, k * jnp.exp(to_end)
