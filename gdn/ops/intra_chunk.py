@@ -88,11 +88,11 @@ PAIR_REMAT = False
 # The same for a per-key-channel decay (KDA, `_pair_channel`): True, under `jax.checkpoint`, so that the backward
 # recomputes A and P from q, k and g instead of keeping the float32 diagonal sub-chunk decays [L, C/16, 16, 16, K],
 # the off-diagonal factors [L, n, m, 16, K] and their products with k and q: 3,385 -> 469 MiB of residuals for the
-# op at (64, 512, 2 heads x 128), bfloat16, pallas (about 7x less; 15 such layers kept 14 of a 16-layer KDA model's
-# 38 GiB on XLA:CPU at 64 x 512 tokens). XLA:CPU's compiled estimate of that model does not fall with it (its
-# scheduler runs every layer's recomputation at once, before the backward reaches them); the GPU's is not measured
-# yet. False: autodiff keeps them. Read at trace time.
-CHANNEL_PAIR_REMAT = False
+# op at (64, 512, 2 heads x 128), bfloat16, pallas. On the H200 a 16-layer KDA model's training step (64 x 512
+# tokens) went from 24.0 to 11.8 GiB peak and from 110.6 to 102.8 ms (docs/experiments.md). XLA:CPU's compiled
+# estimate does not fall with it (its scheduler runs every layer's recomputation at once). False: autodiff keeps
+# them. Read at trace time.
+CHANNEL_PAIR_REMAT = True
 
 
 @functools.partial(jax.tree_util.register_dataclass,
