@@ -147,12 +147,24 @@ def test_an_interrupted_group_resumes_exactly_and_a_finished_one_trains_nothing(
   assert before == [open(os.path.join(c.run_dir, "metrics.jsonl")).read() for c in cfgs] and not lines
 
 
-def test_a_cell_that_reaches_the_target_stops_while_the_others_go_on(tmp_path):
-  # At lr 1e-2 the tiny model gets 2 of the 16 eval tokens right by step 8 (measured); at 1e-4 it gets none in
-  # 16 steps. Only the first cell reaches an eval accuracy of 0.1.
-  fast, slow = (_cfg(tmp_path, s, lr, "train.early_stop=0.1") for s, lr in ((2, 1e-2), (0, 1e-4)))
+# At lr 1e-2 the tiny model gets 2 of the 16 eval tokens right by step 8 (measured); at 1e-4 it gets none in 16
+# steps. Only the first cell reaches an eval accuracy of 0.1.
+EARLY_STOP_CELLS = ((2, 1e-2), (0, 1e-4))
+
+
+@pytest.fixture(scope="module")
+def early_stop_group(tmp_path_factory, fast_compile):
+  """The two cells above trained stacked with train.early_stop=0.1, uninterrupted, once for the module: their
+  configs, the summaries train_stacked returned and the lines it logged."""
+  root = tmp_path_factory.mktemp("early_stop")
+  cfgs = [_cfg(root, s, lr, "train.early_stop=0.1") for s, lr in EARLY_STOP_CELLS]
   lines = []
-  summaries = stacked.train_stacked([fast, slow], log=lines.append)
+  summaries = stacked.train_stacked(cfgs, log=lines.append)
+  return cfgs, summaries, lines
+
+
+def test_a_cell_that_reaches_the_target_stops_while_the_others_go_on(tmp_path, early_stop_group):
+  (fast, slow), summaries, lines = early_stop_group
   assert "1 of 2 stacked cells still training: stacked again as a program of 1" in lines  # SHRINK
   stop = min(s for s, r in _records(fast).items() if r.get("eval/accuracy", 0.0) >= 0.1)
   assert stop < 16
@@ -168,14 +180,12 @@ def test_a_cell_that_reaches_the_target_stops_while_the_others_go_on(tmp_path):
                              [_records(alone)[i]["train/loss"] for i in range(1, 17)], rtol=1e-5)
 
 
-def test_a_shrunk_group_resumes_exactly(tmp_path, monkeypatch):
+def test_a_shrunk_group_resumes_exactly(tmp_path, monkeypatch, early_stop_group):
   """A group killed after its fast cell ended and the program shrank (SHRINK) resumes from its checkpoint, which
   holds both cells, as the shrunk program: the slow cell's losses equal the uninterrupted run's exactly."""
-  cells = ((2, 1e-2), (0, 1e-4))  # the first stops at an eval accuracy of 0.1 by step 8 (as above), the second not
-  full = [_cfg(tmp_path / "full", s, lr, "train.early_stop=0.1") for s, lr in cells]
-  stacked.train_stacked(full, log=QUIET)
+  full = early_stop_group[0]  # the first stops at an eval accuracy of 0.1 by step 8 (as above), the second not
   assert _summary(full[0])["steps"] <= 8
-  cfgs = [_cfg(tmp_path / "crashed", s, lr, "train.early_stop=0.1") for s, lr in cells]
+  cfgs = [_cfg(tmp_path / "crashed", s, lr, "train.early_stop=0.1") for s, lr in EARLY_STOP_CELLS]
   _killed_at(monkeypatch, cfgs, 14)
   lines = []
   stacked.train_stacked(cfgs, log=lines.append)
