@@ -311,7 +311,8 @@ def measure(a) -> list:
   dev = jax.devices()[0]
   n_tok = a.batch * a.seq_len
   n_layers = "each row's" if a.depths else m.num_layers
-  spec = " ".join([a.config] + ([f"--sweep-model {a.sweep_model}"] if a.sweep_model else []) + a.override) + "".join(f"; gdn switch {w}" for w in a.switch)
+  model = [f"--sweep-model {a.sweep_model}"] if a.sweep_model else []
+  spec = " ".join([a.config, *model, *a.override]) + "".join(f"; gdn switch {w}" for w in a.switch)
   print(f"# {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}; {spec}: "
         f"{m.pattern} x {n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}, {m.dtype} compute, "
         f"remat {m.remat}, method {m.recurrent.method}; {a.batch} x {a.seq_len} tokens a step; "
