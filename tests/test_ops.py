@@ -82,11 +82,17 @@ def bfloat16_inputs(x):
 
 
 def oracle(x, **kw):
-  """The float64 recurrence: forward and gradients (the JAX token scan in float64)."""
+  """The float64 recurrence: forward and gradients (the JAX token scan in float64), compiled with fewer
+  optimisations also in a `full_optimizations` test (that marker is for the op under test, not its reference)."""
   x64 = {n: None if a is None or n == "segment_ids" else np.asarray(a, np.float64) for n, a in x.items()}
   x64["segment_ids"] = x["segment_ids"]
-  with jax.enable_x64(True):
-    return run("recurrent", x64, **kw)
+  before = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", True)
+  try:
+    with jax.enable_x64(True):
+      return run("recurrent", x64, **kw)
+  finally:
+    jax.config.update("jax_disable_most_optimizations", before)
 
 
 def rel(a, b):
@@ -160,10 +166,12 @@ def test_bfloat16_inputs(method, variant):
 
 
 def test_output_dtype_follows_v():
+  """The dtypes are the trace's (`jax.eval_shape`: no op-by-op compiles of each method)."""
   x = make_inputs(4, 1, 20, 1, 1, 8, 8, "head", "head")
   v = jnp.asarray(x["v"], jnp.bfloat16)
   for method in METHODS:
-    o, S = ops.gated_delta_rule(jnp.asarray(x["q"]), jnp.asarray(x["k"]), v, method=method, chunk_size=16)
+    o, S = jax.eval_shape(functools.partial(ops.gated_delta_rule, method=method, chunk_size=16),
+                          jnp.asarray(x["q"]), jnp.asarray(x["k"]), v)
     assert o.dtype == jnp.bfloat16 and S.dtype == jnp.float32
 
 
@@ -211,16 +219,21 @@ def test_long_sequence_2_17_chunk():
 
 @pytest.mark.parametrize("method", METHODS)
 def test_packed_segments_equal_separate_runs(method):
+  """Forward only (the outputs and final states are compared): one compile per length, without a backward."""
   lengths = (13, 1, 40, 17)
   x = make_inputs(8, 1, sum(lengths), 1, 2, 8, 8, "channel", "head", init=False)
   x["segment_ids"] = np.repeat(np.arange(len(lengths)), lengths)[None].astype(np.int32)
-  o, S, _ = run(method, x)
+  op = jax.jit(lambda q, k, v, g, beta, seg: ops.gated_delta_rule(q, k, v, g, beta, segment_ids=seg, method=method,
+                                                                   chunk_size=16))
+  forward = lambda x: [np.asarray(a, np.float64) for a in op(*(None if x[n] is None else jnp.asarray(x[n])
+                                                                for n in ("q", "k", "v", "g", "beta", "segment_ids")))]
+  o, S = forward(x)
   start = 0
   for n in lengths:
     part = {k: (None if a is None or k == "initial_state" else a[:, start:start + n])
             for k, a in x.items()}
     part["segment_ids"] = None
-    o_p, S_p, _ = run(method, part)
+    o_p, S_p = forward(part)
     np.testing.assert_allclose(o[:, start:start + n], o_p, rtol=1e-5, atol=1e-5)
     start += n
   np.testing.assert_allclose(S, S_p, rtol=1e-5, atol=1e-5)  # the final state is the last segment's
