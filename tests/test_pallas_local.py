@@ -6,6 +6,8 @@ Shapes: L chunks, C chunk size, K key dim, V value dim; B batch, T time, H q/k h
 On CPU the kernel runs in Pallas' interpreter, so the shapes are small; the `gpu` test runs it compiled.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,6 +51,20 @@ def rel_err(got, want):
   return np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
 
 
+def jitted(f, **kw):
+  """`f` with keyword arguments `kw`, jitted: one compile instead of the many eager steps of the XLA reference
+  (and of the interpreted kernel's surroundings)."""
+  return jax.jit(functools.partial(f, **kw))
+
+
+def vjp_jitted(f, args, seed):
+  """(f's VJP at `args` for random cotangents of a normal's draws from `seed`, jitted, as a function of them; the
+  cotangents), the cotangents' shapes from `jax.eval_shape` (no eager pass)."""
+  rng = np.random.default_rng(seed)
+  cts = tuple(jnp.asarray(rng.normal(size=o.shape), o.dtype) for o in jax.eval_shape(f, *args))
+  return jax.jit(lambda a, c: jax.vjp(f, *a)[1](c)), cts
+
+
 # (L, C, K, V, strong): K != V, several chunks, C padded (8 -> 16) and K, V padded (5, 19 -> 16, 32), one and
 # several sub-chunk merge levels (C = 32, 64); blocks of 64 keys and 32 values, so K = 128 and V = 48, 64 take
 # two steps of the kernel's loops.
@@ -59,7 +75,8 @@ CHUNK_CASES = [(3, 64, 32, 48, False), (2, 64, 128, 16, True), (4, 8, 5, 19, Fal
 def test_float32_equals_intra_chunk(L, C, K, V, strong):
   args = chunk_inputs(0, L, C, K, V, jnp.float32, strong)
   kw = dict(beta_kind="head", prec=jax.lax.Precision.HIGHEST)
-  want, got = intra_chunk.local(*args, None, **kw), pallas_local.local(*args, None, block_k=64, block_v=32, **kw)
+  want = jitted(intra_chunk.local, **kw)(*args, None)
+  got = jitted(pallas_local.local, block_k=64, block_v=32, **kw)(*args, None)
   assert got.A is None and got.k_dec is None  # what the fused path leaves out
   for n in FIELDS:
     a, b = getattr(got, n), getattr(want, n)
@@ -70,7 +87,7 @@ def test_float32_equals_intra_chunk(L, C, K, V, strong):
 def test_bfloat16_equals_intra_chunk():
   args = chunk_inputs(1, 3, 64, 32, 48, jnp.bfloat16, strong=True)
   kw = dict(beta_kind="head", prec=jax.lax.Precision.DEFAULT)
-  want, got = intra_chunk.local(*args, None, **kw), pallas_local.local(*args, None, **kw)
+  want, got = jitted(intra_chunk.local, **kw)(*args, None), jitted(pallas_local.local, **kw)(*args, None)
   for n in FIELDS:
     assert getattr(got, n).dtype == getattr(want, n).dtype, n
     assert rel_err(getattr(got, n), getattr(want, n)) <= 2e-2, (n, rel_err(getattr(got, n), getattr(want, n)))
@@ -81,25 +98,21 @@ def test_gradients_are_the_xla_references():
   args = chunk_inputs(2, 2, 16, 16, 32, jnp.float32)
   kw = dict(beta_kind="head", prec=jax.lax.Precision.HIGHEST)
   pick = lambda loc: (loc.q_dec, loc.k_end, loc.decay, loc.P, loc.W, loc.U)
-  rng = np.random.default_rng(3)
-  outs, vjp_ref = jax.vjp(lambda *a: pick(intra_chunk.local(*a, None, **kw)), *args)
-  cts = tuple(jnp.asarray(rng.normal(size=o.shape), o.dtype) for o in outs)
-  _, vjp_got = jax.vjp(lambda *a: pick(pallas_local.local(*a, None, **kw)), *args)
-  for name, a, b in zip("q k v g beta".split(), vjp_got(cts), vjp_ref(cts)):
+  vjp_ref, cts = vjp_jitted(lambda *a: pick(intra_chunk.local(*a, None, **kw)), args, 3)
+  vjp_got, _ = vjp_jitted(lambda *a: pick(pallas_local.local(*a, None, **kw)), args, 3)
+  for name, a, b in zip("q k v g beta".split(), vjp_got(args, cts), vjp_ref(args, cts)):
     assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
 
 
 def _stage_grads(args, prec, interpret=True, seed=8, split=False):
   """(kernel's, reference's) gradients of the stage's five kernel outputs for random cotangents; `split`: the two
   kernels of BACKWARD_SPLIT (the second over blocks of 16 keys)."""
-  outs, vjp = jax.vjp(lambda *a: pallas_local.reference(prec, *a), *args)
-  rng = np.random.default_rng(seed)
-  cts = tuple(jnp.asarray(rng.normal(size=o.shape), o.dtype) for o in outs)
+  vjp, cts = vjp_jitted(lambda *a: pallas_local.reference(prec, *a), args, seed)
   cfg = pallas_local.Config(prec=pallas_local.kernel_precision(prec, interpret), ref_prec=prec, block_k=64,
                             block_v=64, interpret=interpret, num_warps=4, num_stages=1, bwd_kernel=True,
                             bwd_block_k=16, bwd_block_v=32, bwd_split=split, split_block_k=16)
   got = jax.jit(lambda *a: pallas_local.backward_kernel(cfg, *a[:5], a[5:]))(*args, *cts)
-  return got, vjp(cts)
+  return got, vjp(args, cts)
 
 
 # (L, C, K, V, strong): as CHUNK_CASES, with the backward's blocks of 16 keys and 32 values (several loop steps);
@@ -130,7 +143,7 @@ def test_backward_switch_runs_the_kernels(monkeypatch):
   monkeypatch.setattr(pallas_local, "reference", None)  # would fail if called
   args = chunk_inputs(11, 1, 16, 16, 16, jnp.float32)
   f = lambda *a: pallas_local.local(*a, None, beta_kind="head", prec=jax.lax.Precision.HIGHEST).W.sum()
-  grads = jax.grad(f, argnums=(0, 1, 2, 3, 4))(*args)
+  grads = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(*args)
   assert all(np.isfinite(np.asarray(g)).all() for g in grads)
 
 
@@ -140,8 +153,8 @@ def test_other_variants_fall_back_to_xla():
   kw = dict(prec=jax.lax.Precision.HIGHEST)
   g_channel = jnp.broadcast_to(g[..., None], k.shape)
   for args, beta_kind in [((q, k, v, g_channel, beta), "head"), ((q, k, v, g, None), "none")]:
-    got = pallas_local.local(*args, None, beta_kind=beta_kind, **kw)
-    want = intra_chunk.local(*args, None, beta_kind=beta_kind, **kw)
+    got = jitted(pallas_local.local, beta_kind=beta_kind, **kw)(*args, None)
+    want = jitted(intra_chunk.local, beta_kind=beta_kind, **kw)(*args, None)
     assert all(rel_err(getattr(got, n), getattr(want, n)) == 0 for n in ("q_dec", "P", "U"))
   assert not pallas_local.supports(g, beta, (None,), "head", jnp.float32)
 
@@ -274,7 +287,7 @@ def test_default_uses_the_kernel_only_where_it_compiles(monkeypatch):
   real = pallas_local.local
   monkeypatch.setattr(pallas_local, "local", lambda *a, **kw: calls.append(kw.get("interpret")) or real(*a, **kw))
   x = make_inputs(34, 1, 32, 1, 1, 16, 16, "head", "head")
-  run = lambda: ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], method="pallas", chunk_size=16)
+  run = lambda: jitted(ops.gated_delta_rule, method="pallas", chunk_size=16)(x["q"], x["k"], x["v"], x["g"], x["beta"])
   monkeypatch.setattr(pallas_chunk, "FUSED_LOCAL", None)
   want = run()[0]
   assert calls == ([] if pallas_chunk.default_interpret() else [None])
