@@ -17,7 +17,7 @@ from gdn.ops import intra_chunk, pallas_chunk, pallas_local
 from lowering import cuda_hlo
 from test_ops import assert_close, bfloat16_inputs, make_inputs, oracle
 from test_pallas import equations
-from test_pallas_local import FIELDS, _fused_op, chunk_inputs, rel_err
+from test_pallas_local import FIELDS, _fused_op, chunk_inputs, jitted, rel_err, vjp_jitted
 
 # The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -34,9 +34,9 @@ def channel_on(monkeypatch):
 
 
 def _stage(args, prec, **kw):
-  """(kernel's Local, intra_chunk's Local) for the per-key-channel inputs `args`."""
-  want = intra_chunk.local(*args, None, beta_kind="head", prec=prec)
-  return pallas_local.local(*args, None, beta_kind="head", prec=prec, **kw), want
+  """(kernel's Local, intra_chunk's Local) for the per-key-channel inputs `args`, each jitted."""
+  want = jitted(intra_chunk.local, beta_kind="head", prec=prec)(*args, None)
+  return jitted(pallas_local.local, beta_kind="head", prec=prec, **kw)(*args, None), want
 
 
 def _assert_fields(got, want, tol):
@@ -92,11 +92,9 @@ def test_gradients_are_the_xla_references(channel_on, monkeypatch):
   args = chunk_inputs(24, 2, 32, 16, 16, jnp.float32, strong=True, decay="channel")
   kw = dict(beta_kind="head", prec=HIGHEST)
   pick = lambda loc: tuple(getattr(loc, n) for n in FIELDS)
-  outs, vjp_ref = jax.vjp(lambda *a: pick(intra_chunk.local(*a, None, **kw)), *args)
-  rng = np.random.default_rng(25)
-  cts = tuple(jnp.asarray(rng.normal(size=o.shape), o.dtype) for o in outs)
-  _, vjp_got = jax.vjp(lambda *a: pick(pallas_local.local(*a, None, **kw)), *args)
-  for name, a, b in zip("q k v g beta".split(), vjp_got(cts), vjp_ref(cts)):
+  vjp_ref, cts = vjp_jitted(lambda *a: pick(intra_chunk.local(*a, None, **kw)), args, 25)
+  vjp_got, _ = vjp_jitted(lambda *a: pick(pallas_local.local(*a, None, **kw)), args, 25)
+  for name, a, b in zip("q k v g beta".split(), vjp_got(args, cts), vjp_ref(args, cts)):
     assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
 
 
