@@ -1,10 +1,34 @@
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 # The float64 oracle lives beside the tests.
 sys.path.insert(0, os.path.dirname(__file__))
+
+_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def pytest_configure(config):
+  """One persistent compilation cache for the whole run: the pytest-xdist workers, which start after this hook and
+  inherit its environment, and every child process they start. Most of the suite's time is XLA:CPU compiling,
+  and the same programs recur across modules (`_drop_compiled_programs` empties the in-memory caches between
+  them), across parametrised cases and in the training processes that tests start. Programs that compile in
+  under 0.2 s are not worth the write. A directory set by the caller is used as it is and kept; set empty
+  (`JAX_COMPILATION_CACHE_DIR= python -m pytest ...`), the suite runs without a persistent cache."""
+  if hasattr(config, "workerinput") or _CACHE_ENV in os.environ:
+    return
+  config._gdn_jax_cache = tempfile.mkdtemp(prefix="gdn-tests-jax-cache-")
+  os.environ[_CACHE_ENV] = config._gdn_jax_cache
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+
+def pytest_unconfigure(config):
+  path = getattr(config, "_gdn_jax_cache", None)
+  if path:
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -90,3 +90,30 @@ def test_saved_by_autograd_counts_each_kept_tensor_once():
   # Per branch: x and the weight (shared by both branches, counted once), and tanh's output; mul keeps both tanhs.
   assert live["total"] == 8 * 64 * 4 + 64 * 32 * 4 + 2 * 8 * 32 * 4, live
   assert live["rows"][0][2] == "float32[64, 32]"
+
+
+def test_a_program_in_the_persistent_cache_is_compiled_again_for_its_dump(tmp_path):
+  """XLA dumps only what it compiles, and the dump options are not in the persistent cache's key: a program that
+  the cache holds (here compiled once before, in a process whose cache is on) still gets its live range."""
+  from devices import run_child
+
+  out = run_child(__file__, str(tmp_path / "jax_cache"), devices=1)
+  assert out["entries"] > 0 and out["rows"] > 0 and out["cache_on_after"], out
+
+
+if __name__ == "__main__":
+  import json
+  import os
+  import sys
+
+  cache = sys.argv[1]
+  jax.config.update("jax_compilation_cache_dir", cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  x, w = jnp.ones((64, 32)), jnp.ones((32, 128))
+  lowered = jax.jit(jax.grad(_loss, argnums=(0, 1))).lower(x, w)
+  lowered.compile()  # into the cache
+  entries = len(os.listdir(cache))
+  rows = len(live_at_peak(lowered)["buffers"])
+  # The cache is back on for what follows: a new program is written to it.
+  jax.jit(lambda a: a * 3 + 1).lower(x).compile()
+  print(json.dumps(dict(entries=entries, rows=rows, cache_on_after=len(os.listdir(cache)) > entries)))

@@ -18,6 +18,7 @@ temporaries) and the block's slices from XLA's memory-usage report (size, offset
 from __future__ import annotations
 
 import collections
+import contextlib
 import glob
 import os
 import re
@@ -102,14 +103,34 @@ def slices(report: str) -> list:
   return sorted(out, key=lambda r: -r["bytes"])
 
 
+@contextlib.contextmanager
+def _compiled_afresh():
+  """jax's persistent compilation cache off for the compilations inside: XLA writes its dumps only when it
+  compiles, and the dump options are not part of the cache's key, so a program served from the cache (a run's
+  `compilation_cache`, JAX_COMPILATION_CACHE_DIR) would leave no dump. The cache is set up again afterwards."""
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+
+  before = jax.config.values["jax_enable_compilation_cache"]
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", before)
+    compilation_cache.reset_cache()
+
+
 def live_at_peak(lowered, dump_dir: str | None = None) -> dict:
-  """Compile `lowered` (a `jax.stages.Lowered`) with XLA's dump on and return what is live at its peak:
+  """Compile `lowered` (a `jax.stages.Lowered`) with XLA's dump on (never served from jax's persistent
+  compilation cache) and return what is live at its peak:
   {"total": bytes at the peak, "buffers": [{"name", "bytes", "shape", "op_name"}], largest first,
   "arguments", "outputs", "temp": XLA's memory analysis in bytes, "slices": the preallocated block's slices
   (`slices`; empty where XLA writes no memory-usage report)}."""
   with tempfile.TemporaryDirectory() as tmp:
     where = dump_dir or tmp
-    compiled = lowered.compile({"xla_dump_to": where})
+    with _compiled_afresh():
+      compiled = lowered.compile({"xla_dump_to": where})
     live = open(_one(os.path.join(where, "*after_optimizations-live-range.txt"))).read()
     hlo = open(_one(os.path.join(where, "*after_optimizations.txt"))).read()
     assignment = open(_one(os.path.join(where, "*after_optimizations-buffer-assignment.txt"))).read()
