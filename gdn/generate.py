@@ -18,18 +18,20 @@ def sample(logits, rng, *, temperature=1.0, top_k=0, top_p=1.0):
   temperature = jnp.asarray(temperature, jnp.float32)
   # The division is kept finite at temperature 0; that row's sample is discarded for the argmax below.
   scaled = logits / jnp.maximum(temperature, 1e-6)
-  Vocab = logits.shape[-1]
-  sorted_desc = -jnp.sort(-scaled, axis=-1)
+  B, Vocab = logits.shape
+  # Filters by rank, not by value, so that tied logits at a cut-off do not all survive: top_k keeps exactly k
+  # tokens (ties go to the lower id), top_p the smallest prefix of the sorted distribution whose mass reaches
+  # top_p (at least one token).
+  order = jnp.argsort(-scaled, axis=-1, stable=True)  # [B, Vocab]: token ids, most likely first
+  sorted_desc = jnp.take_along_axis(scaled, order, axis=-1)
+  position = jax.lax.broadcasted_iota(jnp.int32, (B, Vocab), 1)
   top_k = jnp.asarray(top_k, jnp.int32)
-  kth = jnp.take(sorted_desc, jnp.clip(top_k - 1, 0, Vocab - 1), axis=-1)[:, None]
-  scaled = jnp.where((top_k > 0) & (scaled < kth), -jnp.inf, scaled)
-  # Nucleus: keep the smallest prefix of the sorted distribution whose mass reaches top_p (at least one token).
-  sorted_desc = -jnp.sort(-scaled, axis=-1)
-  probs = jax.nn.softmax(sorted_desc, axis=-1)
+  in_k = position < jnp.where(top_k > 0, top_k, Vocab)
+  probs = jax.nn.softmax(jnp.where(in_k, sorted_desc, -jnp.inf), axis=-1)
   mass_before = jnp.cumsum(probs, axis=-1) - probs
-  keep = mass_before < jnp.asarray(top_p, jnp.float32)
-  cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-  scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+  kept = jnp.sum(in_k & (mass_before < jnp.asarray(top_p, jnp.float32)), axis=-1, keepdims=True)  # a prefix
+  rank = jnp.zeros((B, Vocab), jnp.int32).at[jnp.arange(B)[:, None], order].set(position)
+  scaled = jnp.where(rank < kept, scaled, -jnp.inf)
   sampled = jax.random.categorical(rng, scaled, axis=-1).astype(jnp.int32)
   return jnp.where(temperature > 0, sampled, greedy)
 
@@ -65,6 +67,11 @@ def generate(model, prompt, max_new_tokens: int, *, rng, temperature: float = 1.
   prompt = jnp.asarray(prompt)
   if prompt.ndim != 2 or prompt.shape[1] < 1 or not jnp.issubdtype(prompt.dtype, jnp.integer):
     raise ValueError(f"prompt must be an integer array [B, P] with P >= 1, got {prompt.dtype} {prompt.shape}")
+  Vocab = model.cfg.vocab_size
+  if not isinstance(prompt, jax.core.Tracer) and not bool(jnp.all((prompt >= 0) & (prompt < Vocab))):
+    # Out of range, the embedding gather would read NaN and every sampled token would be 0, silently.
+    raise ValueError(f"prompt holds token ids outside the model's vocabulary [0, {Vocab}): min "
+                     f"{int(prompt.min())}, max {int(prompt.max())}")
   if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
   if not temperature >= 0:

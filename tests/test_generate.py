@@ -80,6 +80,11 @@ def test_sample_filters():
   assert set(draw(top_p=0.7)) == {1, 2}  # 0.5 alone is short of 0.7; 0.5 + 0.3 reaches it
   assert set(draw(temperature=0.0)) == {1}
   assert set(draw()) == {0, 1, 2, 3, 4}
+  # Ties at a cut-off: the filters count tokens, not values (ties go to the lower id).
+  tied = lambda row, **kw: set(np.asarray(jitted(jnp.tile(jnp.asarray([row], jnp.float32), (512, 1)), key,
+                                                  1.0, kw.get("top_k", 0), kw.get("top_p", 1.0))))
+  assert tied([0.0, 1.0, 1.0, 1.0], top_k=2) == {1, 2}
+  assert tied([0.0, 0.0, 0.0, 0.0], top_p=0.5) == {0, 1}
 
 
 def test_generate_bad_input():
@@ -92,3 +97,5 @@ def test_generate_bad_input():
     generate(model, jnp.zeros((3,), jnp.int32), 2, rng=jax.random.key(0))
   with pytest.raises(ValueError, match="top_p"):
     generate(model, _tokens(T=3), 2, rng=jax.random.key(0), top_p=0.0)
+  with pytest.raises(ValueError, match="outside the model's vocabulary"):  # not NaN logits and token 0
+    generate(model, jnp.asarray([[3, model.cfg.vocab_size, 7]]), 2, rng=None, temperature=0.0)

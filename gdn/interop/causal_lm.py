@@ -19,7 +19,7 @@ from flax import nnx
 from gdn.config import ModelConfig
 from gdn.interop.state_dict import Tensors, assign, linear, read_safetensors, source_keys
 from gdn.layers.mlp import hidden_size
-from gdn.model import LanguageModel
+from gdn.model import LanguageModel, unstack_layers
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -89,9 +89,9 @@ def load(source, cfg: ModelConfig, layout: Layout, layer_params: Callable[[Parts
   """Our LanguageModel(cfg) filled from `source` (a mapping or a safetensors path): `layer_params(parts, i)` gives
   block i's {"mixer_norm", "mixer", "mlp_norm", "mlp"}; every tensor must find its place."""
   keys = source_keys(source)
-  known = (layout.embed, layout.final_norm, layout.head) + layout.ignore
+  known = (layout.embed, layout.final_norm) + layout.ignore  # prefixes; the head is one exact key
   layers = tuple(layout.layer.format(i) for i in range(cfg.num_layers))
-  left = [k for k in keys if not k.startswith(known + layers)]  # before reading any tensor: fail fast
+  left = [k for k in keys if k != layout.head and not k.startswith(known + layers)]  # before reading: fail fast
   if left:
     raise ValueError(f"checkpoint tensors with no counterpart in our model: {left[:20]}"
                      + (f" and {len(left) - 20} more" if len(left) > 20 else ""))
@@ -131,8 +131,15 @@ def load(source, cfg: ModelConfig, layout: Layout, layer_params: Callable[[Parts
 
 # Export: our LanguageModel as a checkpoint folder that the source's own class loads.
 
+# Settings that change neither a model's weights nor its outputs (rematerialisation only trades memory for
+# recomputation).
 FREE = {"init_std", "dtype", "mlp_ratio", "method", "chunk_size", "local_groups", "dropout", "dt_init",
-        "implementation"}
+        "implementation", "remat"}
+
+
+def unrolled(model: LanguageModel) -> LanguageModel:
+  """`model` with one Block per layer, as checkpoints hold them: a scanned model (`scan_layers=True`) unstacked."""
+  return unstack_layers(model) if model.cfg.scan_layers else model
 
 
 def _settings(cfg: ModelConfig) -> dict:

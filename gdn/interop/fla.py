@@ -16,6 +16,7 @@ bias (output_gate_rank V), o_norm = FusedRMSNormGated(V, activation="sigmoid"): 
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Optional
 
 import jax.numpy as jnp
@@ -236,7 +237,8 @@ def mlp_hidden(fla_config) -> int:
   """fla's GatedMLP width: intermediate_size, else 2/3 * hidden_ratio * hidden_size rounded up to 256."""
   size = field(fla_config, "intermediate_size", None)
   if size is None:
-    size = int(field(fla_config, "hidden_size") * field(fla_config, "hidden_ratio", 4) * 2 / 3)
+    ratio = field(fla_config, "hidden_ratio", None)
+    size = int(field(fla_config, "hidden_size") * (4 if ratio is None else ratio) * 2 / 3)  # fla: None means 4
     size = 256 * -(-size // 256)
   return size
 
@@ -311,13 +313,22 @@ def load_model(source, fla_config=None, **overrides) -> LanguageModel:
   return causal_lm.load(source, cfg, FLA_LAYOUT, layer)
 
 
+def _expand_v(K: int, V: int) -> float:
+  """fla's expand_v for value heads of width V: fla (and `model_config`) take int(K * expand_v), which V / K
+  rounded down can leave one short (K = 88, V = 120), so it is raised by ulps until the product reaches V."""
+  ratio = V / K
+  while int(K * ratio) < V:
+    ratio = math.nextafter(ratio, math.inf)
+  return ratio
+
+
 def fla_config_dict(cfg: ModelConfig) -> dict:
   """The config.json of the fla `GatedDeltaNetForCausalLM` closest to `cfg` (`save_model` checks that it is
   exact)."""
   rec, att, kinds = cfg.recurrent, cfg.attention, cfg.layer_kinds
   out = dict(architectures=["GatedDeltaNetForCausalLM"], model_type="gated_deltanet", vocab_size=cfg.vocab_size,
              hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers, num_heads=rec.num_heads,
-             num_v_heads=rec.HV, head_dim=rec.head_dim, expand_v=rec.V / rec.head_dim,
+             num_v_heads=rec.HV, head_dim=rec.head_dim, expand_v=_expand_v(rec.head_dim, rec.V),
              use_gate=rec.output_gate != "none",
              output_gate_activation="sigmoid" if rec.output_gate == "sigmoid" else "swish",
              use_short_conv=rec.short_conv, conv_size=rec.conv_size, allow_neg_eigval=rec.allow_neg_eigval,
@@ -339,6 +350,7 @@ def save_model(model: LanguageModel, path) -> dict:
   Gated DeltaNet, attention with an output gate, q/k norm, partial or scaled RoPE, a head dim other than
   d_model / num_heads, an o_proj bias, both global and sliding-window layers, ...).
   """
+  model = causal_lm.unrolled(model)
   cfg = model.cfg
   config = fla_config_dict(cfg)
   causal_lm.check_representable(cfg, model_config(config), "fla's GatedDeltaNetForCausalLM")

@@ -310,6 +310,7 @@ def save_model(model: LanguageModel, path) -> dict:
   Refused, naming the setting: what Qwen3-Next cannot hold (sliding-window layers, a recurrent or attention
   layer other than Qwen3-Next's, MoE without the gated shared expert, norm epsilons that differ, ...).
   """
+  model = causal_lm.unrolled(model)
   cfg = model.cfg
   if "moe" in cfg.mlp_kinds and not (cfg.moe.shared_hidden and cfg.moe.shared_gate):
     raise ValueError("Qwen3-Next's MoE block always has a gated shared expert: this model's moe.shared_hidden="

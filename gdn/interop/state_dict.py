@@ -195,7 +195,7 @@ def field(config, name: str, default=...):
 
 
 # Config fields that change neither the parameters nor the outputs of an imported layer.
-FREE_FIELDS = ("method", "chunk_size", "local_groups", "dropout", "dt_init", "implementation")
+FREE_FIELDS = ("method", "chunk_size", "local_groups", "dropout", "dt_init", "implementation", "remat")
 
 
 def target(module, build, cfg, d_model: int):
