@@ -9,27 +9,14 @@ in every head).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from gdn.data import mqar
 from gdn.layers import recurrent
-from gdn.model import LanguageModel
-from gdn.train.checkpoint import Checkpoints
-from gdn.train.config import from_dict
-
-
-def load(run_dir: str):
-  """(model with the newest checkpoint's parameters, its step, the run's config)."""
-  with open(os.path.join(run_dir, "config.json")) as f:
-    cfg = from_dict(json.load(f))
-  graphdef, params, rest = nnx.split(LanguageModel(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, ...)
-  params, step = Checkpoints(os.path.join(run_dir, "checkpoints"), keep=1).restore_params(params)
-  return nnx.merge(graphdef, params, rest), step, cfg
+from gdn.train import load_run
 
 
 def _heads(values) -> str:
@@ -53,7 +40,7 @@ def main(argv=None):
   recurrent.RecurrentMixer._decay = recorded
   try:
     for run in args.runs:
-      model, step, cfg = load(run)
+      model, step, cfg = load_run(run)
       b = mqar.batch(cfg.data.mqar, np.random.default_rng(123), 64, cfg.data.mqar.eval_settings[0][0], args.pairs)
       decays.clear()
       hit = np.asarray(model(jnp.asarray(b["inputs"])).argmax(-1)) == b["targets"]

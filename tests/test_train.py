@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
-from gdn.train import checkpoint, optimizer, step
+from gdn.generate import generate
+from gdn.train import checkpoint, load_run, optimizer, step
 from gdn.train.config_file import resolve
 from gdn.train.metrics import read_jsonl
 
@@ -105,6 +107,18 @@ def test_run_learns_writes_its_files_and_resumes_exactly_after_sigkill(runs):
   assert sorted(resumed) == sorted(losses)
   for s in sorted(losses):
     assert resumed[s] == losses[s], f"step {s}: {resumed[s]} != {losses[s]}"
+
+  # The trained model back from the run's directory, as a user loads it to evaluate, generate or export.
+  model, at, cfg = load_run(full)
+  assert at == STEPS and cfg.model.d_model == 32
+  ck = checkpoint.Checkpoints(os.path.join(full, "checkpoints"), keep=3)
+  state = ck.restore_latest(_template())[0]
+  ck.close()
+  for a, b in zip(jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)), jax.tree_util.tree_leaves(state.params)):
+    np.testing.assert_array_equal(a, b)
+  assert generate(model, jnp.zeros((1, 4), jnp.int32), 3, rng=None, temperature=0.0).shape == (1, 7)
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    load_run(os.path.join(full, "checkpoints"))
 
 
 def _template():
