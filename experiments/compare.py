@@ -57,9 +57,12 @@ def main(argv=None) -> int:
     if not spec:
       raise ConfigError("--config is required (e.g. --config configs/mqar.py:small)")
     config = apply_overrides(load(spec), overrides)
-    shard, num_shards = (int(x) for x in args.shard.split("/"))
+    try:
+      shard, num_shards = (int(x) for x in args.shard.split("/"))
+    except ValueError:
+      shard, num_shards = 0, 0
     if not 0 <= shard < num_shards:
-      raise ConfigError(f"--shard must be i/n with 0 <= i < n, got {args.shard}")
+      raise ConfigError(f"--shard must be i/n with 0 <= i < n, got {args.shard!r}")
     if args.stack_size < 0 or (args.stack_size and not args.stack):
       raise ConfigError(f"--stack-size must be >= 0 and goes with --stack, got {args.stack_size}")
     cells = expand(config)
@@ -95,6 +98,9 @@ def main(argv=None) -> int:
   except FileNotFoundError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
+  except ValueError as e:  # a sweep.metric that no cell has
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   with open(paths["table.md"]) as f:
     print("\n" + f.read())
   print(f"results   {out_dir}/  (table.md, results.csv, best.csv)")

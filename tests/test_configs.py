@@ -93,6 +93,13 @@ def test_unknown_key_or_unparsable_value_names_the_key(override, needle):
     ("model.norm_eps=-1e-6", "config.model.norm_eps"),
     ("model.recurrent.dropout=nan", "config.model.recurrent.dropout"),
     ("model.attention.rope_theta=inf", "config.model.attention.rope_theta"),
+    ("model.recurrent.num_v_heads=abc", "config.model.recurrent.num_v_heads: expects an int or None"),
+    ("model.mlp_hidden=wide", "config.model.mlp_hidden"),
+    ("seed=-1", "config.seed"),
+    ("name=", "config.name"),
+    ("data.mqar.eval_examples=0", "config.data.mqar.eval_examples"),
+    ("data.niah.eval_examples=0", "config.data.niah.eval_examples"),
+    ("data.text.eval_examples=0", "config.data.text.eval_examples"),
 ])
 def test_bad_value_names_the_key(override, needle):
   config = apply_overrides(base_config(), [override])
@@ -120,6 +127,16 @@ def test_overrides_parse_by_type():
 def test_unknown_config_argument():
   with pytest.raises(ConfigError, match="small"):
     load(os.path.join(ROOT, "configs", "mqar.py") + ":tiny")
+
+
+def test_a_config_file_that_cannot_be_read_is_a_config_error(tmp_path):
+  with pytest.raises(ConfigError, match="cannot be read"):
+    load(str(tmp_path / "missing.json"))
+  (tmp_path / "bad.json").write_text("{not json")
+  with pytest.raises(ConfigError, match="not valid JSON"):
+    load(str(tmp_path / "bad.json"))
+  with pytest.raises(ConfigError, match="takes no argument"):
+    load(os.path.join(ROOT, "configs", "quickstart.py") + ":small")
 
 
 def test_sweep_models_do_not_inherit_the_base_models_switches():

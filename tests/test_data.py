@@ -329,6 +329,10 @@ def test_bad_token_files_fail_naming_the_config_key(tmp_path):
     make(vocab_size=40)
   with pytest.raises(ValueError, match="seq_len"):
     make(seq_len=200)
+  short = tmp_path / "short.bin"
+  (np.arange(20, dtype=np.uint16) % 50).tofile(short)
+  with pytest.raises(ValueError, match=r"config.data.text.val_file .*short.bin.* of 20 tokens is shorter than one"):
+    make(val_file=str(short), seq_len=32)
   with pytest.raises(FileNotFoundError, match="config.data.text.corpus_dir"):
     text.corpus_files(str(tmp_path / "nowhere"), "**/*.py")
 

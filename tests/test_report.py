@@ -350,3 +350,37 @@ def test_extend_edges_widens_a_groups_grid_where_its_tuning_seed_is_best_at_an_e
   assert "attention" not in edges  # 1e-3: inside its widened grid
   with pytest.raises(ValueError, match="extend_edges needs tune_seeds"):
     expand(apply_overrides(config, ("sweep.tune_seeds=()",)))
+
+
+def test_a_sweep_refuses_finished_cells_of_another_config_and_names_a_bad_metric_or_x_key(tmp_path, monkeypatch,
+                                                                                       capsys):
+  from experiments import compare
+  from gdn.sweep import grid
+  from gdn.train.checkpoint import ConfigMismatch
+  from gdn.train.config import ConfigError
+  from gdn.train.workdir import write_config
+
+  spec = os.path.join(ROOT, "configs", "hybrid.py") + ":small"
+  cells = expand(apply_overrides(load(spec), ("sweep.learning_rates=(1e-3,)",)), results=str(tmp_path))[:2]
+  for cell in cells:
+    _fake_run(cell, {cell.config.train.last_step: 1.2})
+    write_config(cell.config, cell.config.run_dir)
+  monkeypatch.setattr(grid, "train", lambda cfg, log: pytest.fail("a finished cell was trained"))
+  grid.run_cells(cells, log=lambda *_: None)  # the same config: done already
+  changed = expand(apply_overrides(load(spec), ("sweep.learning_rates=(1e-3,)", "train.weight_decay=0.5")),
+                   results=str(tmp_path))[:2]
+  with pytest.raises(ConfigMismatch, match="train.weight_decay: 0.1 -> 0.5"):
+    grid.run_cells(changed, log=lambda *_: None)
+
+  paths = write_report(cells, str(tmp_path), title="t")
+  table = open(paths["table.md"]).read()
+  typo = expand(apply_overrides(load(spec), ("sweep.learning_rates=(1e-3,)", "sweep.metric=bpb")),
+                results=str(tmp_path))[:2]
+  with pytest.raises(ValueError, match="sweep.metric 'bpb' is in no finished cell's eval metrics"):
+    write_report(typo, str(tmp_path), title="t")
+  assert open(paths["table.md"]).read() == table  # not overwritten
+  with pytest.raises(ConfigError, match="x_key 'model.d_modle'"):
+    expand(apply_overrides(load(spec), ("sweep.x_key=model.d_modle",)), results=str(tmp_path))
+  for bad in ("abc", "1", "0/2/3"):
+    assert compare.main(["--config", spec, "--shard", bad, "--list"]) == 2
+    assert "--shard must be i/n" in capsys.readouterr().err

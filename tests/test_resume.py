@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from experiments import train as train_cli
-from gdn.train import checkpoint, loop, optimizer, step, train, workdir
+from gdn.train import ConfigError, checkpoint, loop, optimizer, step, train, workdir
 from gdn.train.config_file import resolve
 from gdn.train.metrics import read_jsonl
 
@@ -67,7 +67,8 @@ def test_resume_refuses_a_changed_config_unless_asked_and_the_lock_refuses_a_sec
   assert at == 6
 
   # params_only: a new optimizer (and learning rate) from step 0 on the old run's newest parameters, the old
-  # run moved to previous/1; relaunching the same command resumes the new run instead of starting again.
+  # run moved to previous/1; relaunching the same command finds the new run (here finished) instead of starting
+  # again.
   new = _cfg(wd, "train.learning_rate=0.5", "train.resume=params_only", "train.stop_step=2",
              "train.checkpoint_every=0")
   seen = []
@@ -85,7 +86,7 @@ def test_resume_refuses_a_changed_config_unless_asked_and_the_lock_refuses_a_sec
   assert sorted(r["step"] for r in read_jsonl(os.path.join(wd, "metrics.jsonl")) if "train/loss" in r) == [1, 2]
   lines = []
   train(new, log=lines.append)
-  assert "resumed from step 2" in " ".join(lines) and os.listdir(os.path.join(wd, "previous")) == ["1"]
+  assert "finished already at step 2" in " ".join(lines) and os.listdir(os.path.join(wd, "previous")) == ["1"]
 
   # fresh: the old run is set aside again and the new one starts from step 0.
   train(_cfg(wd, "seed=3", "train.resume=fresh", "train.stop_step=2", "train.checkpoint_every=0"))
@@ -194,3 +195,41 @@ def test_config_differences_name_keys_and_treat_a_missing_key_as_its_default():
                              "sweep.seeds=(0,1)"))
   assert workdir.differences(saved, new) == {"model.d_model": (128, 16), "model.num_layers": (1, 2),
                                              "train.b2": (0.95, 0.99)}
+
+
+def test_a_finished_or_early_stopped_run_launched_again_is_left_as_it_ended(tmp_path):
+  """The same command after the end (a rerun, a sweep's next piece) trains nothing and logs nothing; a run killed
+  between its early stop's checkpoint and its summary stops there again instead of training on."""
+  lines = lambda wd: open(os.path.join(wd, "metrics.jsonl")).read()
+  wd = str(tmp_path / "finished")
+  first = train(_cfg(wd))
+  logged = lines(wd)
+  messages = []
+  assert train(_cfg(wd), log=messages.append) == first
+  assert lines(wd) == logged and any("finished already at step 4" in m for m in messages)
+
+  # Early stop at the first evaluation (every loss reaches 1e-6), at step 2 of a run that would go to 4.
+  wd = str(tmp_path / "early")
+  early = ("train.eval_every=2", "train.early_stop=1e-6", "train.early_stop_metric=loss")
+  first = train(_cfg(wd, *early))
+  assert first["steps"] == 2 and first["stopped_early"]
+  logged = lines(wd)
+  assert train(_cfg(wd, *early)) == first and lines(wd) == logged
+  assert sorted(d for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit()) == ["2"]
+  os.remove(os.path.join(wd, "summary.json"))  # as a kill after the checkpoint, before the summary
+  again = train(_cfg(wd, *early))
+  assert again["steps"] == 2 and again["stopped_early"] and again["eval"] == first["eval"]
+  assert lines(wd) == logged
+  assert sorted(d for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit()) == ["2"]
+
+  with pytest.raises(ConfigError, match="early_stop_metric 'acc' is not an eval metric"):
+    train(_cfg(str(tmp_path / "typo"), "train.early_stop=0.5", "train.early_stop_metric=acc"))
+
+
+def test_tokens_per_second_counts_the_tokens_of_the_steps_it_reports(tmp_path):
+  """Every logged step has a rate, also one logged right after another (each step's tokens are counted when its
+  metrics are read, not when it is dispatched)."""
+  wd = str(tmp_path / "rate")
+  train(_cfg(wd, "train.checkpoint_every=1", "train.eval_every=1"))
+  rates = [r["train/tokens_per_s"] for r in read_jsonl(os.path.join(wd, "metrics.jsonl")) if "train/loss" in r]
+  assert len(rates) == 4 and all(r > 0 for r in rates), rates

@@ -28,6 +28,8 @@ class MQARConfig:
   eval_examples: int = 1000  # per eval setting
 
   def __post_init__(self):
+    if self.eval_examples < 1:
+      raise ValueError(f"eval_examples must be >= 1, got {self.eval_examples}")
     for name in ("train_settings", "eval_settings"):
       for T, P in check_settings(name, getattr(self, name), 2):
         if T % 2 or 4 * P > T:

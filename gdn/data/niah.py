@@ -53,6 +53,8 @@ class NIAHConfig:
   lm_weight: float = 0.0
 
   def __post_init__(self):
+    if self.eval_examples < 1:
+      raise ValueError(f"eval_examples must be >= 1, got {self.eval_examples}")
     if self.haystack not in HAYSTACKS:
       raise ValueError(f"haystack must be one of {HAYSTACKS}, got {self.haystack!r}")
     if self.value not in VALUES:

@@ -66,4 +66,5 @@ def make_task(cfg: DataConfig, seed: int, num_batches: int, rows: Optional[slice
   per_byte = cfg.task == "bytes" or c.token_dtype == "uint8"
   return Task(cfg.task, vocab, text.train_dataset(c, cfg.task, B, seed, num_batches, rows),
               tuple(text.eval_splits(c, cfg.task)), bits_per_token=per_byte,
-              train_windows=len(text.Windows(text.streams(c, cfg.task)[0], c.seq_len)))
+              train_windows=len(text.Windows(text.streams(c, cfg.task)[0], c.seq_len,
+                                               text.split_name(c, cfg.task, "train"))))

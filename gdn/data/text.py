@@ -40,6 +40,8 @@ class TextConfig:
   single_pass: bool = False
 
   def __post_init__(self):
+    if self.eval_examples < 1:
+      raise ValueError(f"eval_examples must be >= 1, got {self.eval_examples}")
     if self.seq_len < 2:
       raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
     if not 0.0 < self.val_fraction < 1.0:
@@ -112,11 +114,11 @@ def _check_tokens(path: str, dtype: str, mtime: float, vocab_size: int, name: st
 class Windows:
   """Non-overlapping windows of seq_len + 1 tokens of a stream, as a grain random-access source."""
 
-  def __init__(self, stream: np.ndarray, seq_len: int):
+  def __init__(self, stream: np.ndarray, seq_len: int, what: str = "a stream"):
     self.stream, self.seq_len = stream, seq_len
     self.n = (len(stream) - 1) // seq_len
     if self.n < 1:
-      raise ValueError(f"a stream of {len(stream)} tokens is shorter than one window of "
+      raise ValueError(f"{what} of {len(stream)} tokens is shorter than one window of "
                        f"config.data.text.seq_len + 1 = {seq_len + 1}")
 
   def __len__(self):
@@ -138,11 +140,18 @@ def streams(cfg: TextConfig, kind: str) -> tuple:
                for key in ("train_file", "val_file"))
 
 
+def split_name(cfg: TextConfig, kind: str, split: str) -> str:
+  """What a split's stream comes from, for errors: its token file's config key, or the byte corpus' split."""
+  if kind == "bytes":
+    return f"the {split} split of config.data.text.corpus_dir {cfg.corpus_dir!r}"
+  return f"config.data.text.{split}_file {getattr(cfg, split + '_file')!r}"
+
+
 def train_dataset(cfg: TextConfig, kind: str, batch_size: int, seed: int, num_batches: int,
                   rows: Optional[slice] = None) -> grain.MapDataset:
   """Shuffled windows, reshuffled every epoch, batched; element i is batch i, or its `rows` only."""
   train, _ = streams(cfg, kind)
-  windows = Windows(train, cfg.seq_len)
+  windows = Windows(train, cfg.seq_len, split_name(cfg, kind, "train"))
   if cfg.single_pass:
     check_single_pass(len(windows), num_batches, batch_size, cfg.seq_len)
   ds = grain.MapDataset.source(windows).shuffle(seed=seed).repeat(None)
@@ -169,7 +178,7 @@ def check_single_pass(num_windows: int, num_batches: int, batch_size: int, seq_l
 
 def eval_splits(cfg: TextConfig, kind: str) -> list:
   _, val = streams(cfg, kind)
-  windows = Windows(val, cfg.seq_len)
+  windows = Windows(val, cfg.seq_len, split_name(cfg, kind, "val"))
   n = min(cfg.eval_examples, len(windows))
   picks = np.linspace(0, len(windows) - 1, n).astype(int)
 

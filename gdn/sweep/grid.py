@@ -13,11 +13,12 @@ import ml_collections
 import numpy as np
 
 from gdn.sweep.records import finished_record, mark_nonfinite, nonfinite, record_dir
-from gdn.train.config import ExperimentConfig, from_dict
+from gdn.train.config import ConfigError, ExperimentConfig, from_dict
 from gdn.train.config_file import apply_overrides
 from gdn.train.loop import NonFiniteLoss, train
 from gdn.train.stacked import train_stacked
-from gdn.train.workdir import finished, has_checkpoints
+from gdn.train.checkpoint import ConfigMismatch
+from gdn.train.workdir import as_json, differences, finished, flat, has_checkpoints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,10 @@ def expand(config: ml_collections.ConfigDict, results: str = "") -> list:
   while that rate is not known yet (a tuning seed's cell unfinished): a later call lists them. With
   `sweep.extend_edges` the tuning seeds' rates of a (model, setting) may go beyond the grid (`tuning_rates`)."""
   results = results or results_dir(config)
-  sweep = from_dict(config.to_dict()).sweep
+  base = from_dict(config.to_dict())
+  sweep = base.sweep
+  if sweep.x_key and sweep.x_key not in flat(as_json(base)):
+    raise ConfigError(f"config.sweep.x_key {sweep.x_key!r} is not a config key (e.g. 'model.d_model')")
   models = sweep.models or {config.name: ()}
   settings = sweep.settings or {"base": ()}
   lrs = sweep.learning_rates or (config.train.learning_rate,)
@@ -137,6 +141,9 @@ def tuned_rate(cells, metric: str, mode: str):
     result = final_eval(cell)
     if result is None:
       return None
+    if result and metric not in result:  # ({} is a cell that non-finite steps stopped: that rate loses)
+      raise ConfigError(f"config.sweep.metric {metric!r} is not an eval metric of cell {cell.id}: one of "
+                        f"{sorted(k for k in result if '/' not in k)}")
     by_lr.setdefault(cell.lr, []).append(float(result.get(metric, float("nan"))))
   return pick_rate(by_lr, mode)
 
@@ -153,6 +160,29 @@ def done(cell: Cell) -> bool:
   """Whether the cell has finished: its run, or its committed record (`gdn.sweep.records`), or non-finite steps
   stopped it (`records.nonfinite`)."""
   return finished(cell.config) or finished_record(cell.config) or bool(nonfinite(cell.config))
+
+
+def check_trained_as(cell: Cell) -> None:
+  """Raise ConfigMismatch if the cell's run or record holds a config that differs from the cell's in a key that
+  a resumed run may not change (`gdn.train.workdir.differences`): a finished cell of another config would
+  otherwise count as done and enter the report beside cells of this one. Records imported from a results.csv
+  hold no whole config and are not compared."""
+  for kind, d in (("run", cell.config.run_dir), ("record", record_dir(cell.config.run_dir))):
+    path = os.path.join(d, "config.json")
+    summary_path = os.path.join(d, "summary.json")
+    if not os.path.exists(path):
+      continue
+    if os.path.exists(summary_path):
+      with open(summary_path) as f:
+        if json.load(f).get("source") == "results.csv":
+          continue
+    with open(path) as f:
+      diff = differences(json.load(f), as_json(cell.config))
+    if diff:
+      shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+      raise ConfigMismatch(f"cell {cell.id}: its {kind} in {d} was trained with another config ({shown}). Give "
+                           "this sweep another config.name (its own results directory), or delete that "
+                           f"{kind} to train the cell again")
 
 
 def shard_cells(cells, shard: int = 0, num_shards: int = 1) -> list:
@@ -181,6 +211,9 @@ def run_cells(cells, shard: int = 0, num_shards: int = 1, log=print, stack: bool
   the shard's cells to train (None: all of them).
   """
   mine = [c for c in shard_cells(cells, shard, num_shards) if only is None or c.id in only]
+  for cell in mine:  # before any training: a sweep of mixed configs stops at once
+    if done(cell):
+      check_trained_as(cell)
   if stack:
     _run_stacked(mine, stack_size, log)
     return

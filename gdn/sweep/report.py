@@ -217,6 +217,9 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
   rows = collect(cells)
   if not rows:
     raise FileNotFoundError(f"no finished runs under {out_dir}/runs or {out_dir}/records")
+  if not any(f"eval/{metric}" in r for r in rows):  # before any file of the report is rewritten
+    names = sorted({k[5:] for r in rows for k in r if k.startswith("eval/") and "/" not in k[5:]})
+    raise ValueError(f"config.sweep.metric {metric!r} is in no finished cell's eval metrics: one of {names}")
   has_row = {(r["model"], r["setting"], r["seed"], r["lr"]) for r in rows}
   stopped = [c for c in cells if (c.model, c.setting, c.seed, c.lr) not in has_row and records.nonfinite(c.config)]
   grid = sorted({c.lr for c in cells})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import types
 import typing
 
 import jax
@@ -196,6 +197,7 @@ def _build(cls, d, path: str):
     hint = hints[name]
     if isinstance(value, float) and not math.isfinite(value):  # no float key of any section means inf or NaN
       raise ConfigError(f"bad value for config.{path}.{name}: must be a finite number, got {value}")
+    _check_type(hint, value, f"{path}.{name}")
     if dataclasses.is_dataclass(hint):
       kwargs[name] = _build(hint, value, f"{path}.{name}")
     elif hint is tuple and isinstance(value, list):
@@ -208,6 +210,23 @@ def _build(cls, d, path: str):
     words = str(e).split()
     key = f"{path}.{words[0]}" if words and words[0] in fields else path
     raise ConfigError(f"bad value for config.{key}: {e}") from None
+
+
+def _check_type(hint, value, key: str) -> None:
+  """A scalar key's value against its annotation (int, float, str, bool, or one of them or None), so that an
+  override such as num_v_heads=abc is named here rather than failing later inside a comparison."""
+  options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+  if not all(t in (int, float, str, bool, type(None)) for t in options):
+    return
+  ok = (value is None and type(None) in options
+        or isinstance(value, bool) and bool in options
+        or not isinstance(value, bool) and (isinstance(value, int) and (int in options or float in options)
+                                            or isinstance(value, float) and float in options
+                                            or isinstance(value, str) and str in options))
+  if not ok:
+    names = " or ".join({int: "an int", float: "a number", str: "a string", bool: "a bool",
+                         type(None): "None"}[t] for t in options)
+    raise ConfigError(f"bad value for config.{key}: expects {names}, got {value!r}")
 
 
 def _tuples(value):
@@ -232,8 +251,11 @@ def from_dict(d: dict) -> ExperimentConfig:
   for name, value in d.items():
     kwargs[name] = _build(hints[name], value, name) if dataclasses.is_dataclass(hints[name]) else value
   cfg = ExperimentConfig(**kwargs)
-  if not isinstance(cfg.seed, int):
-    raise ConfigError(f"config.seed must be an int, got {cfg.seed!r}")
+  if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or cfg.seed < 0:
+    raise ConfigError(f"config.seed must be an int >= 0 (it seeds NumPy's generators too), got {cfg.seed!r}")
+  if not isinstance(cfg.name, str) or not cfg.name:
+    raise ConfigError(f"config.name must be a non-empty string (it names the run and its directory), got "
+                      f"{cfg.name!r}")
   _check_context_parallel(cfg)
   return cfg
 

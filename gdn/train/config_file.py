@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import difflib
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -29,8 +30,13 @@ def load(spec: str) -> ml_collections.ConfigDict:
   """Runs `get_config()` of a config file; "path.py:arg" passes arg (e.g. "configs/mqar.py:small")."""
   path, _, arg = spec.partition(":")
   if path.endswith(".json"):  # a run's resolved config, to repeat a run exactly
-    with open(path) as f:
-      return ml_collections.ConfigDict(json.load(f))
+    try:
+      with open(path) as f:
+        return ml_collections.ConfigDict(json.load(f))
+    except OSError as e:
+      raise ConfigError(f"config file {path!r} cannot be read: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+      raise ConfigError(f"config file {path!r} is not valid JSON: {e}") from None
   if not os.path.isfile(path):
     raise ConfigError(f"config file {path!r} does not exist")
   path = os.path.abspath(path)
@@ -44,6 +50,10 @@ def load(spec: str) -> ml_collections.ConfigDict:
   module_spec.loader.exec_module(module)
   if not hasattr(module, "get_config"):
     raise ConfigError(f"config file {path!r} has no get_config()")
+  takes = [p for p in inspect.signature(module.get_config).parameters.values()
+           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  if arg and not takes:
+    raise ConfigError(f"config file {path!r} takes no argument (its get_config() has none), got {spec!r}")
   return module.get_config(arg) if arg else module.get_config()
 
 

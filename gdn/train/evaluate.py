@@ -41,6 +41,12 @@ def add(stats) -> dict:
   return sums
 
 
+def metric_names(task: Task) -> list:
+  """The names `evaluate` returns for `task` (means over splits; each also as "<split>/<name>")."""
+  return (["loss", "accuracy", "seq_accuracy", "last_accuracy"] + ["bits_per_byte"] * bool(task.bits_per_token)
+          + ["scaled_accuracy"] * (task.chance > 0))
+
+
 def metrics(task: Task, sums: dict) -> dict:
   """`evaluate`'s metrics from the statistics summed over each split's batches ({split name: sums})."""
   out = {}

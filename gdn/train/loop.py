@@ -45,6 +45,10 @@ def load_task(cfg: ExperimentConfig, rows=None, log=print):
   if task.vocab_size > cfg.model.vocab_size:
     raise ConfigError(f"config.model.vocab_size {cfg.model.vocab_size} is smaller than the vocabulary of task "
                       f"{task.name!r} ({task.vocab_size})")
+  names = evaluate.metric_names(task)
+  if cfg.train.early_stop > 0 and cfg.train.early_stop_metric not in names:
+    raise ConfigError(f"config.train.early_stop_metric {cfg.train.early_stop_metric!r} is not an eval metric of "
+                      f"task {task.name!r}: one of {names}")
   if cfg.train.supervised_head and not task.max_supervised:
     raise ConfigError(f"config.train.supervised_head needs a task that bounds the supervised positions of a row "
                       f"(mqar); task {task.name!r} does not: set it to False")
@@ -79,6 +83,11 @@ def _train(cfg: ExperimentConfig, log) -> dict:
     log = lambda *a: None
   ckdir = os.path.join(workdir, "checkpoints")
   mode = workdirs.decide(workdir, workdirs.as_json(cfg), workdirs.has_checkpoints(ckdir))
+  if mode == "resume" and (done := workdirs.finished_summary(cfg)) is not None:
+    # Relaunched after it ended (the same command again, a sweep's next piece): nothing to train or log.
+    log(f"{workdir}: finished already at step {done['steps']}"
+        f"{' (stopped early)' if done.get('stopped_early') else ''}; its summary.json stands")
+    return done
   tc = cfg.train
   last = tc.last_step
   B = cfg.data.batch_size
@@ -143,6 +152,11 @@ def _train(cfg: ExperimentConfig, log) -> dict:
     return result
 
   final_eval, stopped = None, False
+  if restored is not None and 0 < start < last:
+    final_eval = _early_stop_logged(workdir, tc, start)  # killed after its early stop's checkpoint
+    if final_eval is not None:
+      stopped, last = True, start
+      log(f"step {start}: eval {tc.early_stop_metric} had reached {tc.early_stop} before the restart; stopped early")
   # Metrics of step s are fetched after step s + 1 is dispatched, so the host never stalls the device; fetching
   # every step also bounds the steps in flight to two (XLA:CPU can deadlock with many queued donated steps).
   pending = None
@@ -155,8 +169,9 @@ def _train(cfg: ExperimentConfig, log) -> dict:
 
   def flush(pending):
     nonlocal window_tokens, window_start, skipped
-    ps, pm = pending
+    ps, pm, tokens = pending
     pm = {k: float(v) for k, v in jax.device_get(pm).items()}
+    window_tokens += tokens  # counted when its step is read, so a window holds exactly the steps it reports
     if pm["nonfinite"] or ps % tc.log_every == 0 or ps == last:
       now = time.perf_counter()
       pm["tokens_per_s"] = window_tokens / max(now - window_start, 1e-9)
@@ -176,10 +191,9 @@ def _train(cfg: ExperimentConfig, log) -> dict:
     for s in range(start + 1, last + 1):
       batch = sharding.shard_batch(next(data), mesh, B)
       state, m = train_step(state, batch)
-      window_tokens += batch["inputs"].size
       if pending is not None:
         flush(pending)
-      pending = (s, m)
+      pending = (s, m, batch["inputs"].size)
       bar.update(1)
       evals, saves = due(tc, s, last)
       if evals or saves:  # both wait for the step anyway: read its metrics first, to stop before a bad save
@@ -206,6 +220,18 @@ def _train(cfg: ExperimentConfig, log) -> dict:
     writer.close()
 
   return summarize(cfg, last, stopped, n_params, time.perf_counter() - t0, final_eval, write=primary)
+
+
+def _early_stop_logged(workdir: str, tc, step: int):
+  """The eval metrics logged at `step` if they reached train.early_stop (a run stopped there and was killed
+  before its summary was written), else None."""
+  if tc.early_stop <= 0 or not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+    return None
+  logged = [r for r in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+            if r["step"] == step and f"eval/{tc.early_stop_metric}" in r]
+  if not logged or logged[-1][f"eval/{tc.early_stop_metric}"] < tc.early_stop:
+    return None
+  return {k.split("/", 1)[1]: v for k, v in logged[-1].items() if k.startswith("eval/")}
 
 
 def due(tc, s: int, last: int) -> tuple:

@@ -17,8 +17,9 @@ class MetricWriter:
     # file reads as one uninterrupted run.
     if os.path.exists(self.path):
       keep = [line for line in read_jsonl(self.path) if line["step"] <= resume_step]
-      with open(self.path, "w") as f:
+      with open(self.path + ".tmp", "w") as f:  # then renamed: a kill mid-write loses no history
         f.writelines(json.dumps(r) + "\n" for r in keep)
+      os.replace(self.path + ".tmp", self.path)
     self._file = open(self.path, "a")
     self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"), purge_step=resume_step + 1)
 

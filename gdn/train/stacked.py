@@ -268,10 +268,11 @@ def _train_stacked(cfgs: list, gdir: str, log) -> list:
   skipped = [0] * N  # steps whose update a non-finite loss or gradient dropped, this launch
 
   def flush(pending):
-    ps, pm, on, prows = pending
+    ps, pm, on, prows, tokens = pending
     pm = jax.device_get(pm)
     now = time.perf_counter()
     for j, i in ((j, i) for j, i in enumerate(prows) if on[j] and not failed[i]):
+      window_tokens[i] += tokens[j]  # counted when its step is read, so a window holds exactly the steps it reports
       m = {k: float(v[j]) for k, v in pm.items()}
       if m["nonfinite"] or ps % tc.log_every == 0 or ps == last:
         m["tokens_per_s"] = window_tokens[i] / max(now - window_start[i], 1e-9)
@@ -300,13 +301,11 @@ def _train_stacked(cfgs: list, gdir: str, log) -> list:
         if active[i] and id(data[i]) not in drawn:
           drawn[id(data[i])] = next(data[i])
         batches.append(drawn[id(data[i])] if active[i] else None)
-      for i, b in zip(rows, batches):
-        if b is not None:
-          window_tokens[i] += b["inputs"].size
+      tokens = [0 if b is None else b["inputs"].size for b in batches]
       state, m = train_step(state, _stack(batches, moe), on)
       if pending is not None:
         flush(pending)
-      pending = (s, m, on, rows)
+      pending = (s, m, on, rows, tokens)
       bar.update(1)
       evals, saves = due(tc, s, last)
       if evals or saves:  # both wait for the step anyway: read its metrics first, to stop before a bad save

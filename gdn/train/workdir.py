@@ -150,6 +150,18 @@ def finished(cfg, run_dir: str = "") -> bool:
   return summary.get("steps", -1) >= cfg.train.last_step or bool(summary.get("stopped_early"))
 
 
+def finished_summary(cfg):
+  """The summary of the run in cfg.run_dir if it has ended (`finished`) and its newest checkpoint is the step
+  that summary describes (not a run resumed past it and killed), else None."""
+  ckdir = os.path.join(cfg.run_dir, "checkpoints")
+  if not finished(cfg) or not has_checkpoints(ckdir):
+    return None
+  with open(os.path.join(cfg.run_dir, "summary.json")) as f:
+    summary = json.load(f)
+  newest = max(int(d) for d in os.listdir(ckdir) if d.isdigit())
+  return summary if summary.get("steps") == newest else None
+
+
 def next_previous(workdir: str) -> str:
   """Where `set_aside` would put the run now in `workdir`: `<workdir>/previous/<n>`, numbered from 1."""
   root = os.path.join(workdir, "previous")
