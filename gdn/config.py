@@ -81,6 +81,8 @@ class RecurrentConfig:
     _positive("conv_size", self.conv_size)
     _positive("chunk_size", self.chunk_size)
     _positive("local_groups", self.local_groups)
+    if self.num_v_heads is not None:
+      _positive("num_v_heads", self.num_v_heads)
     if self.num_v_heads is not None and (self.num_v_heads < 1 or self.num_v_heads % self.num_heads):
       raise ValueError(f"num_v_heads must be a positive multiple of num_heads={self.num_heads}, "
                        f"got {self.num_v_heads}")
@@ -145,12 +147,14 @@ class AttentionConfig:
   def __post_init__(self):
     _positive("num_heads", self.num_heads)
     _positive("head_dim", self.head_dim)
+    if self.num_kv_heads is not None:
+      _positive("num_kv_heads", self.num_kv_heads)
     if self.num_kv_heads is not None and (self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads):
       raise ValueError(f"num_kv_heads must divide num_heads={self.num_heads}, got {self.num_kv_heads}")
     if not 0.0 <= self.rope_fraction <= 1.0:
       raise ValueError(f"rope_fraction must be in [0, 1], got {self.rope_fraction}")
-    if self.window < 0:
-      raise ValueError(f"window must be >= 0, got {self.window}")
+    if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
+      raise ValueError(f"window must be an int >= 0 (0: global attention), got {self.window!r}")
     if not self.rope_theta > 0:
       raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
     _choice("output_gate", self.output_gate, ("none", "sigmoid"))
@@ -228,6 +232,8 @@ class ModelConfig:
     if not self.pattern or set(self.pattern) - set(LAYER_KINDS):
       raise ValueError(f"pattern must be a non-empty string of {sorted(LAYER_KINDS)} "
                        f"(R recurrent, M second recurrent, A attention, W sliding window), got {self.pattern!r}")
+    if not isinstance(self.tie_embeddings, bool):
+      raise ValueError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
     if "W" in self.pattern and self.attention.window < 1:
       raise ValueError("pattern has sliding-window layers 'W' but attention.window is 0")
     _choice("dtype", self.dtype, ("float32", "bfloat16"))
@@ -250,6 +256,9 @@ class ModelConfig:
     if self.scan_layers and self.num_layers < len(self.pattern):
       raise ValueError(f"scan_layers needs at least one whole pattern group: num_layers={self.num_layers} < "
                        f"len(pattern)={len(self.pattern)} ({self.pattern!r})")
+    if self.num_layers < len(self.pattern):  # the pattern's later letters would never be built
+      raise ValueError(f"pattern {self.pattern!r} has {len(self.pattern)} layers, more than num_layers="
+                       f"{self.num_layers}: its layers {self.pattern[self.num_layers:]!r} would not be built")
 
   @property
   def scan_groups(self) -> int:

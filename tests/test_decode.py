@@ -3,6 +3,7 @@
 Shapes: B batch, T time, Vocab vocabulary size.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -66,6 +67,25 @@ def test_prefill_in_pieces_then_decode_equals_full_forward(kind):
     got.append(logits)
   got = jnp.concatenate(got, 1)
   assert float(jnp.abs(got - full).max() / jnp.abs(full).max()) <= 1e-4
+
+
+def test_a_prompt_longer_than_the_cache_sees_a_window_of_max_len_however_it_is_cut():
+  """18 tokens through a cache of 8: global attention becomes a window of 8, the same in one prefill, in pieces
+  and in decode steps (a prefill piece's queries once saw the whole ring plus every new key)."""
+  att = AttentionConfig(num_heads=2, head_dim=8)
+  build = lambda pattern, window: LanguageModel(ModelConfig(
+      vocab_size=VOCAB, d_model=32, num_layers=1, pattern=pattern,
+      attention=dataclasses.replace(att, window=window)), rngs=nnx.Rngs(0))
+  model, windowed = build("A", 0), build("W", 8)
+  tokens = _tokens(B=1, T=18)
+  want = _full(windowed, tokens)
+  for pieces in ((18,), (6, 6, 6), (6,) + (1,) * 12):
+    cache, got, t = model.init_cache(1, 8), [], 0
+    for n in pieces:
+      logits, cache = (_prefill if n > 1 else _decode)(model, tokens[:, t:t + n], cache)
+      got.append(logits)
+      t += n
+    assert float(jnp.abs(jnp.concatenate(got, 1) - want).max() / jnp.abs(want).max()) <= 1e-5, pieces
 
 
 def _prefill_then_decode(model, tokens):

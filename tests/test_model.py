@@ -176,3 +176,14 @@ def test_bad_input_raises_clear_errors():
     LanguageModel(RecurrentConfig(), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="pattern"):
     _cfg(pattern="RX")
+  with pytest.raises(ValueError, match="its layers 'A' would not be built"):  # not a hybrid without a word
+    _cfg(pattern="RRRA", num_layers=3)
+  with pytest.raises(ValueError, match="tie_embeddings must be a bool"):
+    _cfg(tie_embeddings="no")
+  # Values that passed the comparisons and failed later inside a shape: named here.
+  with pytest.raises(ValueError, match="window must be an int"):
+    AttentionConfig(num_heads=2, head_dim=8, window=2.5)
+  with pytest.raises(ValueError, match="num_kv_heads must be a positive int"):
+    AttentionConfig(num_heads=2, head_dim=8, num_kv_heads=2.0)
+  with pytest.raises(ValueError, match="num_v_heads must be a positive int"):
+    RecurrentConfig(num_heads=2, head_dim=8, num_v_heads=4.0)

@@ -208,9 +208,10 @@ class Attention(nnx.Module):
       kk = jnp.concatenate([cache.k, heads(k)], axis=2)
       vv = jnp.concatenate([cache.v, heads(v)], axis=2)
       kpos = jnp.concatenate([cache.kpos, positions])  # [S]
-    ok = (kpos[None, :] >= 0) & (kpos[None, :] <= positions[:, None])
-    if self.window:
-      ok = ok & (positions[:, None] - kpos[None, :] < self.window)
+    # A window of at most L: what a decode step sees (the ring's L slots) is what a prefill piece's queries see,
+    # so the logits do not depend on how a prompt longer than the cache is cut into pieces.
+    span = min(self.window, L) if self.window else L
+    ok = (kpos[None, :] >= 0) & (kpos[None, :] <= positions[:, None]) & (positions[:, None] - kpos[None, :] < span)
     # XLA: the ring's positions need a dense mask, which cuDNN's fused kernel does not take.
     o = jax.nn.dot_product_attention(q.astype(kk.dtype), jnp.swapaxes(kk, 1, 2), jnp.swapaxes(vv, 1, 2),
                                      mask=ok[None, None])
