@@ -112,8 +112,8 @@ class Attention(nnx.Module):
     return "cudnn" if ok else None
 
   def __call__(self, x, *, segment_ids=None, cache: Optional[KVCache] = None, context_axis=None):
-    """x [B, T, D] -> (y [B, T, D], new cache or None). A cache continues at cache.pos; global layers must not
-    be fed more than max_len tokens in total (the ring would wrap and turn into a max_len window).
+    """x [B, T, D] -> (y [B, T, D], new cache or None). A cache continues at cache.pos; past its L slots the
+    layer attends over a window of L positions (`_attend_cached`), in prefill pieces and decode steps alike.
 
     context_axis: None, or the name of a mesh axis over which the sequence is split (inside a `shard_map`,
     device d holding positions [d T, (d + 1) T)): x and segment_ids are this device's slice; its queries
