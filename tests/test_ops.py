@@ -372,6 +372,8 @@ def _bad_cases():
       (dict(ok, method="fast"), ValueError, "method must be one of"),
       (dict(ok, chunk_size=0), ValueError, "chunk_size must be a positive int"),
       (dict(ok, q=jnp.zeros((B, T, H, K), jnp.int32)), TypeError, "q must be a floating-point"),
+      (dict(ok, q=[[[[1.0] * K] * H] * T] * B), TypeError, "q must be a floating-point array, got list"),
+      (dict(ok, scale=jnp.ones(2)), ValueError, r"scale must be None or a scalar, got an array of shape \(2,\)"),
   ]
 
 
@@ -388,7 +390,7 @@ def test_step_bad_input():
     ops.gated_delta_rule_step(z(1, 2, 4), z(1, 2, 4), z(1, 2, 3), state=z(1, 2, 3, 4))
   with pytest.raises(ValueError, match="state is required"):
     ops.gated_delta_rule_step(z(1, 2, 4), z(1, 2, 4), z(1, 2, 3), state=None)
-  with pytest.raises(ValueError, match="beta_t must be"):
+  with pytest.raises(ValueError, match=r"beta_t must be None, of shape \[B, HV\] = \(1, 2\) or \[B, HV, V\]"):
     ops.gated_delta_rule_step(z(1, 2, 4), z(1, 2, 4), z(1, 2, 3), beta_t=z(1, 3), state=z(1, 2, 4, 3))
 
 

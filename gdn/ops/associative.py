@@ -63,7 +63,7 @@ def associative(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: ch
   [V, K, K] per chunk)."""
   if dims.beta_kind == "channel":
     raise ValueError("method='associative' does not support per-value-channel beta ([B, T, HV, V]); "
-                     "use method='chunk' or 'recurrent', or a per-head beta [B, T, HV]")
+                     "use method='chunk', 'pallas' or 'recurrent', or a per-head beta [B, T, HV]")
 
   chunk_size = min(chunk_size, dims.T)  # one chunk of T, not a chunk padded past the sequence
 

@@ -45,12 +45,16 @@ def _shape(x) -> tuple:
 
 
 def _require_float(name: str, x) -> None:
-  if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-    raise TypeError(f"{name} must be a floating-point array, got dtype {jnp.result_type(x)}")
+  try:
+    dtype = jnp.result_type(x)
+  except TypeError:  # a nested Python list, say: jax's own message would not name the argument
+    raise TypeError(f"{name} must be a floating-point array, got {type(x).__name__}") from None
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{name} must be a floating-point array, got dtype {dtype}")
 
 
-def _gate_kind(name: str, x, lead: tuple, last: int, last_name: str) -> str:
-  """Classify g or beta as absent, one value per head, or one per channel."""
+def _gate_kind(name: str, x, lead: tuple, last: int, last_name: str, axes: str = "B, T, HV") -> str:
+  """Classify g or beta as absent, one value per head, or one per channel; `axes` names `lead`'s axes."""
   if x is None:
     return "none"
   _require_float(name, x)
@@ -61,7 +65,7 @@ def _gate_kind(name: str, x, lead: tuple, last: int, last_name: str) -> str:
     return "channel"
   want = ", ".join(map(str, lead))
   raise ValueError(
-      f"{name} must be None, of shape [B, T, HV] = ({want}) or [B, T, HV, {last_name}] = "
+      f"{name} must be None, of shape [{axes}] = ({want}) or [{axes}, {last_name}] = "
       f"({want}, {last}); got {s}")
 
 
@@ -114,8 +118,8 @@ def check_step(q_t, k_t, v_t, g_t, beta_t, state, scale) -> Dims:
     raise ValueError(f"v_t must be [B, HV, V] with B={B} as in q_t, got {_shape(v_t)}")
   if HV % H:
     raise ValueError(f"v_t's head count HV={HV} must be a multiple of q_t/k_t's H={H}")
-  g_kind = _gate_kind("g_t", g_t, (B, HV), K, "K")
-  beta_kind = _gate_kind("beta_t", beta_t, (B, HV), V, "V")
+  g_kind = _gate_kind("g_t", g_t, (B, HV), K, "K", axes="B, HV")
+  beta_kind = _gate_kind("beta_t", beta_t, (B, HV), V, "V", axes="B, HV")
   if state is None:
     raise ValueError(f"state is required: an array [B, HV, K, V] = {(B, HV, K, V)}")
   check_state("state", state, B, HV, K, V)
@@ -132,7 +136,9 @@ def check_state(name: str, s, B: int, HV: int, K: int, V: int) -> None:
 
 
 def check_scale(scale) -> None:
-  if scale is None or isinstance(scale, jax.Array):
+  if isinstance(scale, (jax.Array, np.ndarray)) and np.ndim(scale) != 0:
+    raise ValueError(f"scale must be None or a scalar, got an array of shape {_shape(scale)}")
+  if scale is None or isinstance(scale, (jax.Array, np.ndarray)):
     return
   if not isinstance(scale, (int, float, np.number)) or isinstance(scale, bool):
     raise TypeError(f"scale must be None or a number, got {type(scale).__name__}")
