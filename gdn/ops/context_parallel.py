@@ -194,13 +194,14 @@ def _slice_map_sequential(loc, bc, prec):
   """The slice map (M, B) by a sequential scan over its chunks, of the stacked state [M | B] [.., K, K + V]
   from [I | 0], whose first K columns see no write: the memory of `method="chunk"` (no per-chunk maps)."""
   Bsz, HV, N, C, K = loc.k_end.shape
+  dtype = chunk.compute_dtype(loc.U.dtype)  # the state's (float32), not the chunk-local operands' (16-bit)
   if loc.W is None:
     # Without the delta rule M is the product of the chunk decays (diagonal); only B needs the scan.
-    B0 = _vary_like(jnp.zeros((Bsz, HV, K, loc.U.shape[-1]), loc.U.dtype), loc.U)
+    B0 = _vary_like(jnp.zeros((Bsz, HV, K, loc.U.shape[-1]), dtype), loc.U)
     return jnp.prod(loc.decay, axis=2), chunk.scan_chunks(loc, bc, B0, prec, collect=False)[0]
   stacked = dataclasses.replace(loc, U=jnp.concatenate([jnp.zeros_like(loc.W), loc.U], axis=-1))
-  X0 = jnp.concatenate([jnp.broadcast_to(jnp.eye(K, dtype=loc.U.dtype), (Bsz, HV, K, K)),
-                        jnp.zeros((Bsz, HV, K, loc.U.shape[-1]), loc.U.dtype)], axis=-1)
+  X0 = jnp.concatenate([jnp.broadcast_to(jnp.eye(K, dtype=dtype), (Bsz, HV, K, K)),
+                        jnp.zeros((Bsz, HV, K, loc.U.shape[-1]), dtype)], axis=-1)
   X = chunk.scan_chunks(stacked, bc, _vary_like(X0, loc.U), prec, collect=False)[0]
   return X[..., :K], X[..., K:]
 
