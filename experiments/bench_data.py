@@ -37,7 +37,10 @@ def batch_ms(cfg, batches: int) -> float:
 
 def main(argv=None) -> list:
   spec, overrides, rest = split_argv(sys.argv[1:] if argv is None else argv)
-  p = argparse.ArgumentParser(prog="python -m experiments.bench_data", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(prog="python -m experiments.bench_data",
+                              usage="python -m experiments.bench_data --config FILE.py[:ARG] "
+                                    "[--config.KEY=VALUE ...] [options]",
+                              description=__doc__.split("\n")[0])
   p.add_argument("--batches", type=int, default=20, help="batches timed per setting")
   p.add_argument("--cells", type=int, default=12,
                  help="data streams of a stacked group (its seeds, or cells before they shared), for the per-step "

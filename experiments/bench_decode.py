@@ -420,8 +420,10 @@ def print_profiles(timed: list, top: int) -> None:
   print()
   print("Device time per token by kind (the profiled run; idle = timed ms/token - kernels' time):")
   print()
-  print("| row | timed ms/token | kernels ms | matmuls ms (launches) | other ms (launches) | idle ms |")
-  print("|---|---:|---:|---:|---:|---:|")
+  # Each row starts with its head "| pattern | path | batch | context", four cells.
+  print("| pattern | path | batch | context | timed ms/token | kernels ms | matmuls ms (launches) | "
+        "other ms (launches) | idle ms |")
+  print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
   for head, r in timed:
     q = r["profile"]
     print(f"{head} | {r['ms']:.3f} | {q['total_us'] / 1e3:.3f} | {q['matmul_us'] / 1e3:.3f} "

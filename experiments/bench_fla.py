@@ -24,6 +24,9 @@ def main(argv=None):
   p.add_argument("--preset", choices=sorted(PRESETS), default="h200")
   p.add_argument("--shapes", nargs="*", help="override the preset's shapes, each as B,T,H,D")
   a = p.parse_args(argv)
+  if not torch.cuda.is_available():
+    raise SystemExit("bench_fla times fla's Triton kernels and needs CUDA (torch finds no GPU here); "
+                     "`python -m experiments.bench_ops --preset cpu` times gdn's ops on this machine")
   shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else PRESETS[a.preset]["shapes"]
   patched = not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True)
   chunk_o.TRITON_ABOVE_3_7_1 = True

@@ -161,6 +161,14 @@ def measure(side: str, T: int, remat: str, argv, local_groups: int = 1, setting:
   return dict(error=((p.stderr.strip().splitlines() or ["no output"])[-1])[:120])
 
 
+def _cuda() -> bool:
+  try:
+    import torch
+  except ImportError:
+    return False
+  return torch.cuda.is_available()
+
+
 def main(argv=None) -> list:
   argv = list(sys.argv[1:] if argv is None else argv)
   a = parse_args(argv)
@@ -170,6 +178,9 @@ def main(argv=None) -> list:
     apply_setting(setting)
     print("RESULT " + json.dumps(SIDES[side](a, int(T), remat, int(groups))), flush=True)
     return []
+  if "fla" in a.sides and not _cuda():
+    raise SystemExit("--sides fla needs CUDA for fla's layer (torch finds no GPU here): "
+                     "`--preset cpu --sides gdn` runs gdn's side alone")
   settings = switch_settings(a.switch)
   apply_setting(settings[0])  # fails here, before any worker, if the switch does not exist
   gib = lambda r: f"{r['peak'] / 2**30:.2f}" if r.get("peak") else "-"

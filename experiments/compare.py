@@ -38,7 +38,9 @@ def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   try:
     spec, overrides, rest = split_argv(argv)
-    parser = argparse.ArgumentParser(prog="gdn-compare", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="gdn-compare",
+                                     usage="gdn-compare --config FILE.py[:ARG] [--config.KEY=VALUE ...] [options]",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--shard", default="0/1",
                         help="i/n: run every n-th (model, setting) group of cells, starting at the i-th")
     parser.add_argument("--report", action="store_true", help="only write the report from finished runs")

@@ -172,7 +172,9 @@ def machine() -> str:
 
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
-  p = argparse.ArgumentParser(prog="python -m experiments.pieces", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(prog="gdn-pieces",
+                              usage="gdn-pieces --config FILE.py[:ARG] [--config.KEY=VALUE ...] [options]",
+                              description=__doc__.split("\n")[0])
   p.add_argument("--jobs", nargs="+", default=["next"], help="g:s, g:all or next (see above)")
   p.add_argument("--budget", type=float, required=True, help="seconds for all the jobs, from this command's start")
   p.add_argument("--min-left", type=float, default=0.0,
