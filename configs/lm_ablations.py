@@ -44,7 +44,6 @@ def get_config(size="full"):
   d_model, head_dim, variants = HEAD_DIMS[size]
   c = base.pycode_lm(base.get_config(), "lm_ablations", size, num_layers=6 if size == "full" else 2)
   c.model.d_model = d_model
-  c.model.pattern = "R"  # every model is Gated DeltaNet alone (each sets it too)
   c.sweep.models = base.matched(c, models(d_model, head_dim, variants), "baseline")
   c.sweep.published = {"gdn_table_s1": dict(
       source="Gated DeltaNet (Yang, Kautz, Hatamizadeh, ICLR 2025), Table S.1: 400M parameters, 15B tokens",

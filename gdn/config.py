@@ -256,9 +256,6 @@ class ModelConfig:
     if self.scan_layers and self.num_layers < len(self.pattern):
       raise ValueError(f"scan_layers needs at least one whole pattern group: num_layers={self.num_layers} < "
                        f"len(pattern)={len(self.pattern)} ({self.pattern!r})")
-    if self.num_layers < len(self.pattern):  # the pattern's later letters would never be built
-      raise ValueError(f"pattern {self.pattern!r} has {len(self.pattern)} layers, more than num_layers="
-                       f"{self.num_layers}: its layers {self.pattern[self.num_layers:]!r} would not be built")
 
   @property
   def scan_groups(self) -> int:

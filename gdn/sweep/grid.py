@@ -13,11 +13,11 @@ import ml_collections
 import numpy as np
 
 from gdn.sweep.records import finished_record, mark_nonfinite, nonfinite, record_dir
+from gdn.train.checkpoint import ConfigMismatch
 from gdn.train.config import ConfigError, ExperimentConfig, from_dict
 from gdn.train.config_file import apply_overrides
 from gdn.train.loop import NonFiniteLoss, train
 from gdn.train.stacked import train_stacked
-from gdn.train.checkpoint import ConfigMismatch
 from gdn.train.workdir import as_json, differences, finished, flat, has_checkpoints
 
 
