@@ -83,7 +83,7 @@ class RecurrentConfig:
     _positive("local_groups", self.local_groups)
     if self.num_v_heads is not None:
       _positive("num_v_heads", self.num_v_heads)
-    if self.num_v_heads is not None and (self.num_v_heads < 1 or self.num_v_heads % self.num_heads):
+    if self.num_v_heads is not None and self.num_v_heads % self.num_heads:
       raise ValueError(f"num_v_heads must be a positive multiple of num_heads={self.num_heads}, "
                        f"got {self.num_v_heads}")
     _choice("decay", self.decay, DECAYS)
@@ -149,7 +149,7 @@ class AttentionConfig:
     _positive("head_dim", self.head_dim)
     if self.num_kv_heads is not None:
       _positive("num_kv_heads", self.num_kv_heads)
-    if self.num_kv_heads is not None and (self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads):
+    if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_kv_heads must divide num_heads={self.num_heads}, got {self.num_kv_heads}")
     if not 0.0 <= self.rope_fraction <= 1.0:
       raise ValueError(f"rope_fraction must be in [0, 1], got {self.rope_fraction}")

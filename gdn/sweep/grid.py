@@ -18,7 +18,7 @@ from gdn.train.config import ConfigError, ExperimentConfig, from_dict
 from gdn.train.config_file import apply_overrides
 from gdn.train.loop import NonFiniteLoss, train
 from gdn.train.stacked import train_stacked
-from gdn.train.workdir import as_json, differences, finished, flat, has_checkpoints
+from gdn.train.workdir import as_json, differences, finished, flat, has_checkpoints, saved_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,16 +168,15 @@ def check_trained_as(cell: Cell) -> None:
   otherwise count as done and enter the report beside cells of this one. Records imported from a results.csv
   hold no whole config and are not compared."""
   for kind, d in (("run", cell.config.run_dir), ("record", record_dir(cell.config.run_dir))):
-    path = os.path.join(d, "config.json")
-    summary_path = os.path.join(d, "summary.json")
-    if not os.path.exists(path):
+    saved = saved_config(d)
+    if saved is None:
       continue
+    summary_path = os.path.join(d, "summary.json")
     if os.path.exists(summary_path):
       with open(summary_path) as f:
         if json.load(f).get("source") == "results.csv":
           continue
-    with open(path) as f:
-      diff = differences(json.load(f), as_json(cell.config))
+    diff = differences(saved, as_json(cell.config))
     if diff:
       shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
       raise ConfigMismatch(f"cell {cell.id}: its {kind} in {d} was trained with another config ({shown}). Give "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from flax import nnx
@@ -10,6 +9,7 @@ from flax import nnx
 from gdn.model import LanguageModel
 from gdn.train.checkpoint import Checkpoints
 from gdn.train.config import ExperimentConfig, from_dict
+from gdn.train.workdir import saved_config
 
 
 def load_run(run_dir: str) -> tuple[LanguageModel, int, ExperimentConfig]:
@@ -18,11 +18,14 @@ def load_run(run_dir: str) -> tuple[LanguageModel, int, ExperimentConfig]:
   skipped with a warning), in the run's layout (scanned layers stay scanned: `gdn.model.unstack_layers` gives
   the layout of the interop writers, which also unstack by themselves). Raises FileNotFoundError naming what
   is missing."""
-  path = os.path.join(run_dir, "config.json")
-  if not os.path.isfile(path):
+  saved = saved_config(run_dir)
+  if saved is None:
     raise FileNotFoundError(f"run_dir {run_dir!r} has no config.json: not the directory of a training run")
-  with open(path) as f:
-    cfg = from_dict(json.load(f))
+  cfg = from_dict(saved)
   graphdef, params, rest = nnx.split(LanguageModel(cfg.model, rngs=nnx.Rngs(cfg.seed)), nnx.Param, ...)
-  params, step = Checkpoints(os.path.join(run_dir, "checkpoints"), keep=1).restore_params(params)
+  ckpts = Checkpoints(os.path.join(run_dir, "checkpoints"), keep=1)
+  try:
+    params, step = ckpts.restore_params(params)
+  finally:
+    ckpts.close()
   return nnx.merge(graphdef, params, rest), step, cfg
