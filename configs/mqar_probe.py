@@ -1,9 +1,9 @@
-"""Why 2-layer attention fails MQAR here: steps to solve at vocabularies 256 / 1024 / 8192 (CPU, small).
+"""Why 2-layer attention fails MQAR here: steps to solve at vocabularies 256 to 8192 (CPU, small).
 
   gdn-compare --config configs/mqar_probe.py
 
 One (length, pairs) setting, T = 64 with 4 pairs, trained and evaluated alone; d_model 64, 2 layers,
-batch 64; each run stops at 0.99 eval accuracy or after `train.steps`. Settings are vocabularies.
+batch 64; each run stops at 0.99 eval accuracy or after `train.steps`. Settings are vocabularies; 3 seeds.
 """
 
 from configs import base
@@ -23,6 +23,6 @@ def get_config():
   c.train.progress_bar = False
   c.train.supervised_head = True  # the head at the 4 queries of a row: the same loss (docs/experiments.md, Training)
   c.sweep.models = {"attention": base.mixer("attention")}
-  c.sweep.settings = {f"vocab{v}": base.vocab(v) for v in (256, 1024, 8192)}
-  c.sweep.learning_rates = (1e-3,)
+  c.sweep.settings = {f"vocab{v}": base.vocab(v) for v in (256, 512, 1024, 2048, 8192)}
+  c.sweep.seeds, c.sweep.learning_rates = (0, 1, 2), (1e-3,)
   return c
