@@ -35,11 +35,11 @@ like with like: about ln(vocab) while the warm-up keeps the rate near zero.
 
 --profile N prints, after the table, each side's N kernels with the most device time per step (gdn's also per
 named stage), from a profiler trace of --steps steps: fla's with torch.profiler in this process, gdn's in a child
-process (this script again with --fla off and the same config, overrides, batch, sequence length and steps, told
-by a hidden --profile-json PATH where to write its profile; `gdn.bench.profile.jax_profile_in_child`). The child
-keeps jax.profiler clear of the CUPTI subscriber torch.profiler holds, and on a GPU it runs with XLA's command
-buffers off (`--xla_gpu_enable_command_buffer=`), without which the trace names CUDA-graph command buffers instead
-of the HLO ops that map kernels to stages. gdn's table says so: its device time per step is of kernels launched
+process (this script again with --fla off and the same config, --sweep-model, overrides, switches, batch, tokens
+and steps, told by a hidden --profile-json PATH where to write its profile; `gdn.bench.profile.jax_profile_in_child`).
+The child keeps jax.profiler clear of the CUPTI subscriber torch.profiler holds, and on a GPU it runs with XLA's
+command buffers off (`--xla_gpu_enable_command_buffer=`), without which the trace names CUDA-graph command buffers
+instead of the HLO ops that map kernels to stages. gdn's table says so: its device time per step is of kernels launched
 one by one and need not match the step ms above. A failing child leaves its exit code and stderr's end instead.
 """
 
@@ -168,16 +168,23 @@ def run_gdn(cfg, toks, a) -> dict:
   return r
 
 
-def gdn_profile_in_child(a) -> dict:
-  """gdn's profile of one training step (run_gdn's, or {"error": ...}), traced in a child process: this script
-  with --fla off and the same model, batch and steps (gdn.bench.profile.jax_profile_in_child)."""
-  from gdn.bench.profile import jax_profile_in_child
-
+def child_argv(a) -> list:
+  """The profiling child's arguments: gdn alone (--fla off) with every option of `a` that shapes gdn's step (the
+  config, --sweep-model, overrides, switches, batch, tokens, steps), so that it traces the model the table timed."""
   argv = ["--fla", "off", "--config", a.config, "--batch", str(a.batch), "--seq-len", str(a.seq_len),
           "--warmup", str(a.warmup), "--steps", str(a.steps), "--profile", str(a.profile)]
+  argv += ["--sweep-model", a.sweep_model] if a.sweep_model else []
   argv += [f"--override={o}" for o in a.override] + [f"--switch={w}" for w in a.switch]
   argv += ["--token-file", a.token_file] if a.token_file else []
-  return jax_profile_in_child("experiments.bench_model", argv)[0]
+  return argv
+
+
+def gdn_profile_in_child(a) -> dict:
+  """gdn's profile of one training step (run_gdn's, or {"error": ...}), traced in a child process: this script
+  with `child_argv(a)` (gdn.bench.profile.jax_profile_in_child)."""
+  from gdn.bench.profile import jax_profile_in_child
+
+  return jax_profile_in_child("experiments.bench_model", child_argv(a))[0]
 
 
 def fla_model(cfg):

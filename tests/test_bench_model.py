@@ -115,3 +115,18 @@ def test_sweep_model_takes_its_overrides_first():
   with pytest.raises(ConfigError, match="kda_3to1"):
     bench_model.experiment_config(bench_model.parse_args(["--config", "configs/lm_hybrids.py:small",
                                                           "--sweep-model", "nope"]))
+
+
+def test_profiling_child_traces_the_timed_model():
+  """The --profile child gets every option that shapes gdn's step: it builds the same config (the sweep model
+  included: without it the child traced the config's base model under the sweep model's header), the same
+  switches, batch and tokens, with fla off."""
+  argv = ["--config", "configs/lm_hybrids.py:small", "--sweep-model", "kda_3to1", "--override", "model.num_layers=4",
+          "--switch", "ops.pallas_chunk.BWD_STATES=off", "--batch", "3", "--seq-len", "32", "--token-file", "t.bin",
+          "--warmup", "1", "--steps", "2", "--profile", "7", "--fla", "on"]
+  a = bench_model.parse_args(argv)
+  child = bench_model.parse_args(bench_model.child_argv(a))
+  assert bench_model.experiment_config(child) == bench_model.experiment_config(a)
+  assert bench_model.experiment_config(child).model.recurrent.decay == "channel"
+  same = ("config", "sweep_model", "override", "switch", "batch", "seq_len", "token_file", "warmup", "steps", "profile")
+  assert {k: getattr(child, k) for k in same} == {k: getattr(a, k) for k in same} and child.fla == "off"
