@@ -167,7 +167,14 @@ def test_bad_input_raises_clear_errors():
     model(jnp.zeros((4,), jnp.int32))
   with pytest.raises(ValueError, match="segment_ids"):
     model(jnp.zeros((1, 4), jnp.int32), segment_ids=jnp.zeros((1, 5), jnp.int32))
+  V = model.cfg.vocab_size
   cache = model.init_cache(1, 8)
+  # Ids outside the vocabulary would gather NaN embeddings and give NaN logits without a word: named instead.
+  for call in (model, model.features, lambda t: model.prefill(t, cache), lambda t: model.decode_step(t[:, 1:2], cache)):
+    for bad in (V, -1):
+      with pytest.raises(ValueError, match=rf"outside the model's vocabulary \[0, {V}\)"):
+        call(jnp.array([[1, bad, 2]], jnp.int32))
+  assert bool(jnp.all(jnp.isfinite(model(jnp.array([[0, V - 1]], jnp.int32)))))
   with pytest.raises(ValueError, match="decode_step"):
     model.decode_step(jnp.zeros((1, 2), jnp.int32), cache)
   with pytest.raises(ValueError, match="cache"):
