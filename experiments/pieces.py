@@ -110,9 +110,12 @@ def programs(cells, jobs, stack_size: int) -> list:
 
 def estimate(cells, g: int):
   """Seconds a program of group g is expected to take: the longest that any of its finished cells' programs
-  took (a stacked program's seconds are in each of its cells' summaries), else the longest of any group's;
+  took over all their launches (a stacked program's seconds are in each of its cells' summaries), else the
+  longest of any group's;
   None where no cell of the sweep has finished."""
-  seconds = lambda group: [float(x["seconds"]) for x in map(summary, group) if x and "seconds" in x]
+  # A program resumed from checkpoints: its seconds over every launch (seconds_total), not the last launch's.
+  took = lambda x: x.get("seconds_total", x.get("seconds"))
+  seconds = lambda group: [float(took(x)) for x in map(summary, group) if x and took(x) is not None]
   gs = groups(cells)
   own = seconds(gs[g])
   if own:

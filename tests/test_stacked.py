@@ -138,6 +138,15 @@ def test_an_interrupted_group_resumes_exactly_and_a_finished_one_trains_nothing(
     for i in full:  # the same program on the same data from the same state: exactly equal
       assert resumed[i]["train/loss"] == full[i]["train/loss"], i
       assert resumed[i].get("eval/loss") == full[i].get("eval/loss"), i
+  # Each cell's seconds over both launches: the first's up to its checkpoint at step 8, then this one's.
+  for c in cfgs:
+    summary = _summary(c)
+    with open(os.path.join(c.run_dir, "launches.json")) as f:
+      spans = [(e["from_step"], e["to_step"]) for e in json.load(f)]
+    assert spans == [(0, 8), (8, 16)] and summary["launches"] == 2
+    assert summary["seconds_total"] > summary["seconds"] > 0
+  alone = _summary(_cfg(tmp_path / "full", *cells[0]))
+  assert alone["launches"] == 1 and alone["seconds_total"] == alone["seconds"]
 
   # Every cell has finished: a relaunch reads their summaries back and trains nothing.
   before = [open(os.path.join(c.run_dir, "metrics.jsonl")).read() for c in cfgs]

@@ -107,6 +107,13 @@ def test_run_learns_writes_its_files_and_resumes_exactly_after_sigkill(runs):
   assert sorted(resumed) == sorted(losses)
   for s in sorted(losses):
     assert resumed[s] == losses[s], f"step {s}: {resumed[s]} != {losses[s]}"
+  # Its summary counts both launches' seconds: the killed one's up to its last checkpoint, then the resumed one's.
+  with open(os.path.join(runs["killed"], "summary.json")) as f:
+    summary = json.load(f)
+  with open(os.path.join(runs["killed"], "launches.json")) as f:
+    spans = [(e["from_step"], e["to_step"]) for e in json.load(f)]
+  assert summary["launches"] == 2 and summary["seconds_total"] > summary["seconds"] > 0
+  assert spans[0][0] == 0 and spans[0][1] == spans[1][0] <= runs["killed_at"] and spans[1][1] == STEPS
 
   # The trained model back from the run's directory, as a user loads it to evaluate, generate or export.
   model, at, cfg = load_run(full)

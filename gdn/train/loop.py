@@ -164,6 +164,7 @@ def _train(cfg: ExperimentConfig, log) -> dict:
   bar = tqdm.tqdm(total=last, initial=start, disable=not (tc.progress_bar and primary), dynamic_ncols=True,
                   desc=cfg.name)
   t0 = time.perf_counter()
+  clock = workdirs.LaunchTimes(workdir, start, t0, write=primary)
 
   skipped = 0  # steps whose update the train step dropped for a non-finite loss or gradient, this launch
 
@@ -206,6 +207,7 @@ def _train(cfg: ExperimentConfig, log) -> dict:
         stopped = tc.early_stop > 0 and final_eval[tc.early_stop_metric] >= tc.early_stop
       if saves or stopped:
         ckpts.save(s, state, data.get_state())
+        clock.mark(s, time.perf_counter())
       if stopped:
         log(f"step {s}: eval {tc.early_stop_metric} reached {tc.early_stop}; stopping early")
         last = s
@@ -219,7 +221,7 @@ def _train(cfg: ExperimentConfig, log) -> dict:
     ckpts.close()
     writer.close()
 
-  return summarize(cfg, last, stopped, n_params, time.perf_counter() - t0, final_eval, write=primary)
+  return summarize(cfg, last, stopped, n_params, clock, final_eval, write=primary)
 
 
 def _early_stop_logged(workdir: str, tc, step: int):
@@ -251,12 +253,16 @@ def nonfinite_stop(what: str, skipped: int, allowed: int) -> str:
           f"config.train.skip_nonfinite={allowed} allowed)")
 
 
-def summarize(cfg: ExperimentConfig, steps: int, stopped: bool, n_params: int, seconds: float, final_eval: dict,
+def summarize(cfg: ExperimentConfig, steps: int, stopped: bool, n_params: int, clock, final_eval: dict,
               write: bool = True) -> dict:
   """The run's summary, written to summary.json in its work directory if `write`. steps: the steps trained,
-  fewer than train.last_step when stopped_early."""
+  fewer than train.last_step when stopped_early; clock: the run's `workdir.LaunchTimes` (its seconds, this
+  launch's and every launch's, are taken now and its last entry written)."""
+  now = time.perf_counter()
+  clock.mark(steps, now)
   summary = dict(name=cfg.name, workdir=os.path.abspath(cfg.run_dir), steps=steps, stopped_early=stopped,
-                 params=n_params, seconds=seconds, eval=final_eval)
+                 params=n_params, seconds=now - clock.t0, seconds_total=clock.total(now), launches=clock.launches,
+                 eval=final_eval)
   if cfg.data.task == "tokens":  # the digests of a gdn-corpus build name the exact bytes trained on
     summary["corpus"] = corpus.describe(cfg.data.text.train_file)
   if write:

@@ -253,7 +253,7 @@ def _train_stacked(cfgs: list, gdir: str, log) -> list:
     writers[i] = None
 
   def end(i, s, stopped, result):
-    summaries[i] = summarize(cfgs[i], s, stopped, n_params, time.perf_counter() - t0, result)
+    summaries[i] = summarize(cfgs[i], s, stopped, n_params, clocks[i], result)
     stop(i)
 
   def data_state():
@@ -263,6 +263,7 @@ def _train_stacked(cfgs: list, gdir: str, log) -> list:
   bar = tqdm.tqdm(total=last, initial=start, disable=not tc.progress_bar, dynamic_ncols=True,
                   desc=f"{N} stacked cells")
   t0 = time.perf_counter()
+  clocks = [workdirs.LaunchTimes(c.run_dir, start, t0) for c in cfgs]  # each cell's seconds over launches
   # Per cell, as `train` keeps them for its run: tokens since its last logged step, and when that was.
   window_tokens, window_start = [0] * N, [t0] * N
   skipped = [0] * N  # steps whose update a non-finite loss or gradient dropped, this launch
@@ -327,6 +328,8 @@ def _train_stacked(cfgs: list, gdir: str, log) -> list:
       if saves or stopped:
         ckpts.save(s, group_state(), data_state())
         saved = s
+        for i in (i for i in rows if active[i]):
+          clocks[i].mark(s, time.perf_counter())
       if not any(active):  # every cell stopped early or failed before the last step
         break
       shrink()

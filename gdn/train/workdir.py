@@ -30,7 +30,8 @@ RESUMABLE = ("name", "workdir", "compilation_cache", "sweep", "data.num_threads"
              "train.keep_checkpoints", "train.progress_bar", "train.resume", "train.skip_nonfinite",
              "train.supervised_head")
 # What a run writes into its work directory besides the lock; "fresh" and "params_only" move it aside.
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "tb", "checkpoints", "corrupt_checkpoints")
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "launches.json", "tb", "checkpoints",
+             "corrupt_checkpoints")
 
 
 class WorkdirLocked(RuntimeError):
@@ -175,3 +176,41 @@ def set_aside(workdir: str, dest: str) -> None:
   for name in RUN_FILES:
     if os.path.exists(os.path.join(workdir, name)):
       shutil.move(os.path.join(workdir, name), os.path.join(dest, name))
+
+
+class LaunchTimes:
+  """Wall seconds of each launch of a run that resumes from its checkpoints, in `<run_dir>/launches.json` as
+  [{"from_step", "to_step", "seconds"}]. This launch's entry is rewritten at each of its checkpoints (`mark`),
+  so the entries cover the work that the checkpoints hold; a launch that resumes from step `start` keeps the
+  earlier entries that end at or before it. A summary gives `seconds` (this launch) and `seconds_total`
+  (`total`: every launch's up to now), so a run cut and resumed reports what it cost in all."""
+
+  def __init__(self, run_dir: str, start: int, t0: float, write: bool = True):
+    self.path, self.start, self.t0, self.write = os.path.join(run_dir, "launches.json"), start, t0, write
+    self.earlier = []
+    if start > 0:
+      try:
+        with open(self.path) as f:
+          entries = json.load(f)
+        self.earlier = [e for e in entries if int(e["to_step"]) <= start]
+      except (OSError, ValueError, TypeError, KeyError):  # none yet (a run from before the file), or unreadable
+        self.earlier = []
+
+  def entries(self, step: int, now: float) -> list:
+    return self.earlier + [dict(from_step=self.start, to_step=step, seconds=now - self.t0)]
+
+  def mark(self, step: int, now: float) -> None:
+    """After a checkpoint of `step` (and at the run's end): this launch's entry, written atomically."""
+    if not self.write:
+      return
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(self.entries(step, now), f, indent=1)
+    os.replace(tmp, self.path)
+
+  def total(self, now: float) -> float:
+    return sum(float(e["seconds"]) for e in self.earlier) + now - self.t0
+
+  @property
+  def launches(self) -> int:
+    return len(self.earlier) + 1
