@@ -17,6 +17,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from gdn.config import ModelConfig
@@ -254,12 +255,13 @@ class LanguageModel(nnx.Module):
       raise ValueError(f"tokens must be an integer array [B, T], got shape {tokens.shape}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise TypeError(f"tokens must be an integer array [B, T], got dtype {tokens.dtype}")
-    V = self.cfg.vocab_size
-    if not isinstance(tokens, jax.core.Tracer) and tokens.size and not bool(jnp.all((tokens >= 0) & (tokens < V))):
-      # An eager call with concrete tokens (under jit they are traced and unchecked): out of range, the
-      # embedding gather reads NaN and every logit is NaN, silently.
-      raise ValueError(f"tokens hold ids outside the model's vocabulary [0, {V}): min {int(tokens.min())}, "
-                       f"max {int(tokens.max())}")
+    if isinstance(tokens, jax.core.Tracer) or not tokens.size:
+      return  # traced tokens are not checked (an argument under jit)
+    # Concrete tokens (an eager call, or a constant under jit), read on the host: out of range, the embedding
+    # gather would read NaN and every logit would be NaN, silently.
+    t, V = np.asarray(tokens), self.cfg.vocab_size
+    if t.min() < 0 or t.max() >= V:
+      raise ValueError(f"tokens hold ids outside the model's vocabulary [0, {V}): min {t.min()}, max {t.max()}")
 
   def _check_cache(self, cache):
     n = len(self.unrolled_blocks) + int(self.cfg.scan_layers)

@@ -233,3 +233,29 @@ def test_tokens_per_second_counts_the_tokens_of_the_steps_it_reports(tmp_path):
   train(_cfg(wd, "train.checkpoint_every=1", "train.eval_every=1"))
   rates = [r["train/tokens_per_s"] for r in read_jsonl(os.path.join(wd, "metrics.jsonl")) if "train/loss" in r]
   assert len(rates) == 4 and all(r > 0 for r in rates), rates
+
+
+def test_launch_times_keep_each_launch_up_to_the_checkpoint_resumed_from(tmp_path):
+  """launches.json: each launch's seconds at its checkpoints; a relaunch from step s keeps every earlier launch
+  up to its last checkpoint at or before s (one saved later, but not the one restored, does not count) and
+  drops launches that began at s or after."""
+  d = str(tmp_path)
+  first = workdir.LaunchTimes(d, 0, t0=100.0)
+  for s, now in ((10, 110.0), (20, 120.0), (30, 130.0)):
+    first.mark(s, now)
+  # Killed after step 30's checkpoint was marked but before it was complete: the relaunch restores step 20.
+  second = workdir.LaunchTimes(d, 20, t0=500.0)
+  assert second.launches == 2 and second.total(505.0) == 20.0 + 5.0
+  second.mark(30, 530.0)
+  second.mark(40, 540.0)
+  with open(os.path.join(d, "launches.json")) as f:
+    assert [(e["from_step"], e["to_step"], e["seconds"]) for e in json.load(f)] == [(0, 20, 20.0), (20, 40, 40.0)]
+  # Step 40's checkpoint is damaged: a third launch from step 30 keeps the second launch up to 30.
+  third = workdir.LaunchTimes(d, 30, t0=900.0)
+  assert third.launches == 3 and third.total(901.0) == 20.0 + 30.0 + 1.0
+  # A launch from step 20 again drops the second launch, which began there.
+  assert workdir.LaunchTimes(d, 20, t0=0.0).launches == 2
+  assert workdir.LaunchTimes(d, 0, t0=0.0).launches == 1  # a fresh start counts nothing before it
+  with open(os.path.join(d, "launches.json"), "w") as f:
+    f.write("not json")
+  assert workdir.LaunchTimes(d, 20, t0=0.0).launches == 1  # unreadable: this launch's seconds only

@@ -180,36 +180,41 @@ def set_aside(workdir: str, dest: str) -> None:
 
 class LaunchTimes:
   """Wall seconds of each launch of a run that resumes from its checkpoints, in `<run_dir>/launches.json` as
-  [{"from_step", "to_step", "seconds"}]. This launch's entry is rewritten at each of its checkpoints (`mark`),
-  so the entries cover the work that the checkpoints hold; a launch that resumes from step `start` keeps the
-  earlier entries that end at or before it. A summary gives `seconds` (this launch) and `seconds_total`
-  (`total`: every launch's up to now), so a run cut and resumed reports what it cost in all."""
+  [{"from_step", "to_step", "seconds", "marks": [[step, seconds], ...]}]. This launch's entry is rewritten at each
+  of its checkpoints (`mark`). A launch that resumes from step `start` keeps each earlier launch up to its last
+  mark at or before `start` (a checkpoint that was written but not restored, e.g. one still being saved when the
+  process was killed, does not count) and drops launches that began at or after it. A summary gives `seconds`
+  (this launch) and `seconds_total` (`total`: every launch's up to now), so a run cut and resumed reports what it
+  cost in all."""
 
   def __init__(self, run_dir: str, start: int, t0: float, write: bool = True):
     self.path, self.start, self.t0, self.write = os.path.join(run_dir, "launches.json"), start, t0, write
-    self.earlier = []
+    self.earlier, self.marks = [], []
     if start > 0:
       try:
         with open(self.path) as f:
           entries = json.load(f)
-        self.earlier = [e for e in entries if int(e["to_step"]) <= start]
-      except (OSError, ValueError, TypeError, KeyError):  # none yet (a run from before the file), or unreadable
+        for e in entries:
+          kept = [[int(m[0]), float(m[1])] for m in e["marks"] if int(m[0]) <= start]
+          if int(e["from_step"]) < start and kept:
+            self.earlier.append(dict(from_step=int(e["from_step"]), to_step=kept[-1][0], seconds=kept[-1][1],
+                                     marks=kept))
+      except (OSError, ValueError, TypeError, KeyError, IndexError):  # none yet (a run from before the file)
         self.earlier = []
-
-  def entries(self, step: int, now: float) -> list:
-    return self.earlier + [dict(from_step=self.start, to_step=step, seconds=now - self.t0)]
 
   def mark(self, step: int, now: float) -> None:
     """After a checkpoint of `step` (and at the run's end): this launch's entry, written atomically."""
+    self.marks.append([step, now - self.t0])
     if not self.write:
       return
+    entry = dict(from_step=self.start, to_step=step, seconds=now - self.t0, marks=self.marks)
     tmp = self.path + ".tmp"
     with open(tmp, "w") as f:
-      json.dump(self.entries(step, now), f, indent=1)
+      json.dump(self.earlier + [entry], f)
     os.replace(tmp, self.path)
 
   def total(self, now: float) -> float:
-    return sum(float(e["seconds"]) for e in self.earlier) + now - self.t0
+    return sum(e["seconds"] for e in self.earlier) + now - self.t0
 
   @property
   def launches(self) -> int:
