@@ -255,8 +255,9 @@ class LanguageModel(nnx.Module):
       raise ValueError(f"tokens must be an integer array [B, T], got shape {tokens.shape}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise TypeError(f"tokens must be an integer array [B, T], got dtype {tokens.dtype}")
-    if isinstance(tokens, jax.core.Tracer) or not tokens.size:
-      return  # traced tokens are not checked (an argument under jit)
+    if (isinstance(tokens, jax.core.Tracer) or not tokens.size
+        or (isinstance(tokens, jax.Array) and not tokens.is_fully_addressable)):
+      return  # traced tokens (an argument under jit), or a multi-process array this process cannot read whole
     # Concrete tokens (an eager call, or a constant under jit), read on the host: out of range, the embedding
     # gather would read NaN and every logit would be NaN, silently.
     t, V = np.asarray(tokens), self.cfg.vocab_size
