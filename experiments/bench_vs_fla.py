@@ -12,6 +12,8 @@ to their dtypes in JAX and copied bit for bit to PyTorch. Two variants:
        S <- S + k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T (scale q_t)). scale = K ** -0.5 on both sides.
        --fla-safe-gate lets fla assume gates in [-5, 0) (true of these inputs) for its faster intra-chunk
        kernel; fla's KimiDeltaAttention layer leaves it off by default, and so does this script.
+       --gdn-g-lower-bound -5 is gdn's counterpart (`gated_delta_rule(..., g_lower_bound=-5)`: the chunk-local
+       pair products as matmuls through 16-step sub-chunks); give both to compare the two bounded forms.
 
 Order per shape: fla's forward and forward+backward run once (Triton compiles and autotunes), then gdn's (XLA
 compiles), and only then is anything timed, both sides with the same clock: the median wall time of --reps calls
@@ -128,9 +130,9 @@ def fla_available(gdn_only: bool):
   return torch, None
 
 
-def gdn_side(args, do):
-  """gdn's method="pallas" (bench_ops' function), jitted: (forward call, forward+backward call, sync)."""
-  f = make_fn("pallas", None)
+def gdn_side(args, do, g_lower_bound=None, method="pallas"):
+  """gdn's `method` (bench_ops' function), jitted: (forward call, forward+backward call, sync)."""
+  f = make_fn(method, None, g_lower_bound)
   fwd, fb = jax.jit(f), jax.jit(vjp_of(f))
   return (lambda: fwd(*args)), (lambda: fb(do, *args)), jax.block_until_ready
 
@@ -156,7 +158,7 @@ def fla_side(variant, args, do, kw, device="cuda"):
   return fwd, fwd_bwd, lambda _: sync()
 
 
-def profiles(sides, args, do, steps: int, names=("gdn", "fla")) -> dict:
+def profiles(sides, args, do, steps: int, names=("gdn", "fla"), make=lambda: make_fn("pallas", None)) -> dict:
   """Per side in `names`, where the forward+backward call's device time goes (gdn.bench.profile): gdn's per kernel
   and per named stage, fla's per kernel, both traced in this process."""
   from gdn.bench.profile import jax_kernel_times, torch_kernel_times
@@ -167,19 +169,20 @@ def profiles(sides, args, do, steps: int, names=("gdn", "fla")) -> dict:
       continue
     step = lambda side=side: side[2](side[1]())
     if name == "gdn":
-      hlo = jax.jit(vjp_of(make_fn("pallas", None))).lower(do, *args).compile().as_text()
+      hlo = jax.jit(vjp_of(make())).lower(do, *args).compile().as_text()  # gdn's function, as timed
       out[name] = jax_kernel_times(step, steps, hlo)
     else:
       out[name] = torch_kernel_times(step, steps)
   return out
 
 
-def measure(variant, shape, dtype, g_dtype, reps, torch=None, safe_gate=False, profile=()) -> dict:
+def measure(variant, shape, dtype, g_dtype, reps, torch=None, safe_gate=False, profile=(), g_lower_bound=None,
+            method="pallas") -> dict:
   """One row: ms of each side (fla's only with torch given), fla's do_bench ms, and the rel errs; with the sides
   named in `profile`, their profiles (row["profiles"]). A side that fails to build or run is left out (its error
   in row["<side>_error"]) and the other still timed."""
   args, do = variant_inputs(variant, shape, dtype, g_dtype)
-  builders = {"gdn": lambda: gdn_side(args, do)}
+  builders = {"gdn": lambda: gdn_side(args, do, g_lower_bound, method)}
   if torch is not None:  # fla first: its autotuning, then XLA's compile
     builders = {"fla": lambda: fla_side(variant, args, do, fla_kwargs(variant, shape[-1], safe_gate)), **builders}
   sides, outs, row = {}, {}, {}
@@ -200,7 +203,8 @@ def measure(variant, shape, dtype, g_dtype, reps, torch=None, safe_gate=False, p
     row.update(fla_fwd_do_bench=triton.testing.do_bench(sides["fla"][0], return_mode="median"),
                fla_fb_do_bench=triton.testing.do_bench(sides["fla"][1], return_mode="median"))
   if profile:
-    row["profiles"] = profiles(sides, args, do, steps=5, names=profile)
+    row["profiles"] = profiles(sides, args, do, steps=5, names=profile,
+                               make=lambda: make_fn(method, None, g_lower_bound))
   if len(outs) == 2:
     host = lambda t: t.detach().float().cpu().numpy()
     (o_fla, g_fla), (o_gdn, g_gdn) = outs["fla"], outs["gdn"]
@@ -225,6 +229,8 @@ def gdn_profile_in_child(a, shape, switch_arg=None) -> dict:
 
   argv = ["--gdn-only", "--variant", a.variant, "--shapes", ",".join(map(str, shape)), "--dtype", a.dtype,
           "--g-dtype", a.g_dtype, "--reps", "1", "--profile", str(a.profile)]
+  argv += ["--gdn-g-lower-bound", str(a.gdn_g_lower_bound)] if a.gdn_g_lower_bound is not None else []
+  argv += ["--gdn-method", a.gdn_method]
   argv += ["--switch", switch_arg] if switch_arg else []
   return jax_profile_in_child("experiments.bench_vs_fla", argv)[0]
 
@@ -245,6 +251,11 @@ def main(argv=None) -> list:
   p.add_argument("--gdn-only", action="store_true", help="skip fla (also skipped without torch, CUDA or fla)")
   p.add_argument("--fla-safe-gate", action="store_true",
                  help="kda: chunk_kda(safe_gate=True, lower_bound=-5), its kernel for gates in [-5, 0)")
+  p.add_argument("--gdn-method", default="pallas", choices=["pallas", "chunk", "associative"],
+                 help="gdn's method (pallas, the fastest on a GPU; chunk to time the XLA form on a CPU)")
+  p.add_argument("--gdn-g-lower-bound", type=float, metavar="LB",
+                 help="kda: gdn's g_lower_bound=LB (e.g. -5), its bounded chunk-local factorisation for gates in "
+                      "[LB, 0) (these inputs' gates are in [log 0.9, 0]); with --fla-safe-gate both sides assume it")
   p.add_argument("--profile", type=int, default=0, metavar="N",
                  help="after each shape, the N kernels of each side's forward+backward that take the most device "
                       "time (and gdn's time per named stage), from a profiler trace of 5 calls (gdn's in a child "
@@ -259,12 +270,15 @@ def main(argv=None) -> list:
   p.add_argument("--profile-json", metavar="PATH", help=argparse.SUPPRESS)  # a profiling child's output
   a = p.parse_args(argv)
   autotune_cache.use(None if a.gdn_only else a.autotune_cache)
+  if a.gdn_g_lower_bound is not None and a.variant != "kda":
+    p.error("--gdn-g-lower-bound is for --variant kda")
   if a.fla_safe_gate and a.variant != "kda":
     p.error("--fla-safe-gate is for --variant kda")
   switch = parse_switch(p, a.switch)
   shapes = parse_shapes(a.shapes) if a.shapes else PRESETS[a.preset]["shapes"]
   torch, why = fla_available(a.gdn_only)
-  head = (f"# {a.variant}: gdn method='pallas' vs fla {VARIANTS[a.variant]['fla'][1]}, one process, same inputs; "
+  head = (f"# {a.variant}: gdn method='{a.gdn_method}' vs fla {VARIANTS[a.variant]['fla'][1]}, one process, "
+          "same inputs; "
           f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
   if torch is not None:
     import fla
@@ -276,6 +290,8 @@ def main(argv=None) -> list:
     head += (f", torch {torch.__version__}, triton {triton.__version__}, fla {getattr(fla, '__version__', '?')}"
              + (" (TRITON_ABOVE_3_7_1 forced for fla's backward, timing only)" if patched else "")
              + (", fla safe_gate=True lower_bound=-5" if a.fla_safe_gate else ""))
+  if a.gdn_g_lower_bound is not None:
+    head += f", gdn g_lower_bound={a.gdn_g_lower_bound:g}"
   else:
     head += f"; fla skipped: {why}"
   print(head + f"; {a.dtype} q, k, v, beta, {a.g_dtype} g; chunk 64; median of {a.reps} synced calls "
@@ -357,7 +373,7 @@ def table(a, shapes, torch, switch_arg=None) -> list:
     name = ", ".join(map(str, shape))
     try:
       r = measure(a.variant, shape, jnp.dtype(a.dtype), jnp.dtype(a.g_dtype), a.reps, torch, a.fla_safe_gate,
-                  here)
+                  here, a.gdn_g_lower_bound, a.gdn_method)
     except Exception as e:  # report and go on: one failing shape must not hide the others
       print(f"| {name} | failed: {type(e).__name__}: {str(e)[:160]} |", flush=True)
       free(torch)

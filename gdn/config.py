@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from gdn.ops import checks
+from gdn.ops import checks, intra_chunk
 
 DECAYS = ("none", "head", "channel")
 BETAS = ("none", "head", "channel")
@@ -61,6 +61,10 @@ class RecurrentConfig:
   qkv_bias: bool = False
   out_bias: bool = False
   decay_low_rank: int = 16  # rank of the KDA per-channel decay projection
+  # None: g = -exp(A_log) softplus(a + dt_bias) (unbounded below). LB in [-5, 0): fla's bounded KDA gate
+  # g = LB sigmoid(exp(A_log) (a + dt_bias)), in (LB, 0), and the op told so (`gated_delta_rule(g_lower_bound=LB)`:
+  # a per-key-channel decay's chunk-local products as matmuls).
+  gate_lower_bound: Optional[float] = None
   dt_init: str = "fla"  # "fla": dt_bias = softplus^-1(log-uniform[1e-3, 0.1]), A ~ U(1, 16); "seed": dt_bias = 1, A ~ U(0, 16)
   dropout: float = 0.0
   norm_eps: float = 1e-6  # output RMSNorm (the seed's nn.RMSNorm(head_dim, eps=1e-6))
@@ -112,6 +116,11 @@ class RecurrentConfig:
       raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
     if not self.norm_eps > 0:
       raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+    if self.gate_lower_bound is not None:
+      if self.decay == "none":
+        raise ValueError(f"gate_lower_bound bounds the decay gate, got gate_lower_bound={self.gate_lower_bound} "
+                         f"with decay='none'")
+      checks.check_g_lower_bound(self.gate_lower_bound, True, intra_chunk.MIN_G_LOWER_BOUND, "gate_lower_bound")
 
   @property
   def HV(self) -> int:

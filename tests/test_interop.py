@@ -345,17 +345,18 @@ def fla_kda_on_cpu(torch, monkeypatch, fla_on_cpu):
   rule through `naive_recurrent_kda` (grouped value heads included) and its gate through `naive_kda_gate`, after
   the steps of `in_kernel_steps`; norms and conv as `fla_on_cpu`."""
   from fla.layers import kda as layer_module
-  from fla.ops.kda.gate import naive_kda_gate
+  from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
   from fla.ops.kda.naive import naive_recurrent_kda
 
   def kda_rule(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None, output_final_state=False,
                use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                allow_neg_eigval=False, lower_bound=None, cu_seqlens=None, **unused):
-    assert cu_seqlens is None and initial_state is None and lower_bound is None
+    assert cu_seqlens is None and initial_state is None
     q, k, beta = in_kernel_steps(torch, q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                                  allow_neg_eigval)
     if use_gate_in_kernel:
-      g = naive_kda_gate(g, A_log, dt_bias)
+      g = (naive_kda_gate(g, A_log, dt_bias) if lower_bound is None
+           else naive_kda_lowerbound_gate(g, A_log, dt_bias, lower_bound))
     return naive_recurrent_kda(q, k, v, g, beta, scale=scale, output_final_state=output_final_state)
 
   monkeypatch.setattr(layer_module, "chunk_kda", kda_rule)
@@ -368,6 +369,7 @@ KDA_CASES = {
     "grouped_values_conv_bias_neg_eigval": dict(num_heads=2, num_v_heads=4, head_dim=8, expand_v=1.5,
                                                 conv_bias=True, allow_neg_eigval=True, conv_size=3, norm_eps=1e-6),
     "no_short_conv": dict(num_heads=4, head_dim=8, expand_v=2.0, use_short_conv=False),
+    "bounded_gate": dict(num_heads=2, head_dim=16, expand_v=1.0, lower_bound=-5.0),  # fla's safe_gate's gate
 }
 
 
@@ -380,7 +382,7 @@ def test_fla_kimi_delta_attention(torch, fla_kda_on_cpu, case):
   x = torch.randn(2, 45, 64)
   with torch.no_grad():
     y, _, _ = theirs(x)
-  config = {k: kw[k] for k in ("allow_neg_eigval", "norm_eps") if k in kw}
+  config = {k: kw[k] for k in ("allow_neg_eigval", "norm_eps", "lower_bound") if k in kw}
   ours = fla_interop.load_kda(theirs.state_dict(), **config)
   assert (ours.cfg.num_heads, ours.cfg.HV, ours.cfg.head_dim, ours.cfg.V) == (
       theirs.num_heads, theirs.num_v_heads, theirs.head_k_dim, theirs.head_v_dim)
@@ -400,9 +402,11 @@ def test_fla_kda_from_model_config_and_prefix(torch, fla_kda_on_cpu):
   x = torch.randn(1, 37, 32)
   with torch.no_grad():
     y, _, _ = theirs(x)
-  assert rel_err(run(ours, x), y) <= TOL
-  with pytest.raises(ValueError, match="lower_bound"):
-    fla_interop.load_kda(sd, prefix="model.layers.2.attn.", fla_config={**fla_config, "lower_bound": -5.0})
+  assert rel_err(run(ours, x), y) <= TOL and ours.cfg.gate_lower_bound is None
+  bounded = fla_interop.load_kda(sd, prefix="model.layers.2.attn.", fla_config={**fla_config, "lower_bound": -5.0})
+  assert bounded.cfg.gate_lower_bound == -5.0
+  with pytest.raises(ValueError, match="gate_lower_bound must be in"):
+    fla_interop.load_kda(sd, prefix="model.layers.2.attn.", fla_config={**fla_config, "lower_bound": -8.0})
 
 
 # Hugging Face transformers' Qwen3-Next.

@@ -38,7 +38,7 @@ def make_inputs(seed, B, T, H, HV, K, V, g_kind, beta_kind, *, init=True, segmen
 
 
 @functools.lru_cache(maxsize=None)
-def _fwd_bwd(method, chunk_size, present, scale, local_groups=None, switches=()):
+def _fwd_bwd(method, chunk_size, present, scale, local_groups=None, switches=(), g_lower_bound=None):
   """Jitted forward + VJP with fixed cotangents, differentiating every array argument present. switches: the
   module settings read at tracing that the caller has set (a cache key only)."""
 
@@ -46,7 +46,8 @@ def _fwd_bwd(method, chunk_size, present, scale, local_groups=None, switches=())
     def op(diff):
       return ops.gated_delta_rule(diff["q"], diff["k"], diff["v"], diff.get("g"), diff.get("beta"),
                                   initial_state=diff.get("initial_state"), segment_ids=segment_ids,
-                                  method=method, chunk_size=chunk_size, scale=scale, local_groups=local_groups)
+                                  method=method, chunk_size=chunk_size, scale=scale, local_groups=local_groups,
+                                  g_lower_bound=g_lower_bound)
     (o, S), vjp = jax.vjp(op, diff)
     (grads,) = vjp((co[0].astype(o.dtype), co[1].astype(S.dtype)))
     return o, S, grads
@@ -65,9 +66,10 @@ def vjp_inputs(x, seed=1):
   return diff, seg, co
 
 
-def run(method, x, *, chunk_size=16, scale=None, seed=1, local_groups=None, switches=()):
+def run(method, x, *, chunk_size=16, scale=None, seed=1, local_groups=None, switches=(), g_lower_bound=None):
   diff, seg, co = vjp_inputs(x, seed)
-  o, S, grads = _fwd_bwd(method, chunk_size, tuple(sorted(diff)), scale, local_groups, switches)(diff, seg, co)
+  o, S, grads = _fwd_bwd(method, chunk_size, tuple(sorted(diff)), scale, local_groups, switches,
+                         g_lower_bound)(diff, seg, co)
   return np.asarray(o, np.float64), np.asarray(S, np.float64), {n: np.asarray(g, np.float64)
                                                                    for n, g in grads.items()}
 

@@ -10,13 +10,16 @@ from gdn.ops import gated_delta_rule
 from gdn.ops.chunk import chunk
 
 
-def make_fn(method, dims):
+def make_fn(method, dims, g_lower_bound=None):
   """`method` is a gdn method name, "plain_port", or a chunk variant: "chunk_remat", "chunk_triangular",
-  "chunk_blocked" (the triangular solver forced)."""
+  "chunk_blocked" (the triangular solver forced). g_lower_bound: the op's (gdn methods only)."""
   if method == "plain_port":
     return lambda q, k, v, g, b: plain_port(q, k, v, g, b)[0].astype(v.dtype)
   if not method.startswith("chunk_"):
-    return lambda q, k, v, g, b: gated_delta_rule(q, k, v, g, b, method=method, chunk_size=64)[0]
+    return lambda q, k, v, g, b: gated_delta_rule(q, k, v, g, b, method=method, chunk_size=64,
+                                                  g_lower_bound=g_lower_bound)[0]
+  if g_lower_bound is not None:
+    raise ValueError(f"g_lower_bound is for gdn's methods, not {method!r}")
   variant = method[len("chunk_"):]
   kw = dict(remat=True) if variant == "remat" else dict(solver=variant)
 

@@ -145,17 +145,16 @@ def kda_config(state_dict, *, prefix: str = "", fla_config=None, allow_neg_eigva
   The weights show every size: HV (A_log), K (dt_bias holds HV*K), H (q_proj's H*K rows), V (o_norm), the ranks
   of f_proj and g_proj, d_model, the short conv. allow_neg_eigval (False), norm_eps (1e-5) and lower_bound (None)
   come from the keywords, else from `fla_config` (a `KDAConfig` or its config.json dict), else the layer's
-  defaults. A lower_bound (fla's bounded gate lower_bound * sigmoid(exp(A_log) * (f + dt_bias))) is refused: our
-  decay is -exp(A_log) * softplus(f + dt_bias). `overrides` set our fields that fla has no counterpart for.
+  defaults. A lower_bound (fla's bounded gate lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), which its
+  safe_gate needs) is our `gate_lower_bound`, in [-5, 0). `overrides` set our fields that fla has no counterpart
+  for.
   """
   t = state_dict if isinstance(state_dict, Tensors) else Tensors(state_dict, prefix)
   pick = _picker(fla_config)
   allow_neg_eigval = bool(pick(allow_neg_eigval, "allow_neg_eigval", False))
   norm_eps = float(pick(norm_eps, "norm_eps", LAYER_NORM_EPS))
   lower_bound = pick(lower_bound, "lower_bound", None)
-  if lower_bound is not None:
-    raise ValueError(f"lower_bound={lower_bound}: fla's bounded KDA gate lower_bound * sigmoid(exp(A_log) * "
-                     f"(f + dt_bias)) is not our decay -exp(A_log) * softplus(f + dt_bias)")
+  lower_bound = None if lower_bound is None else float(lower_bound)
 
   (HV,) = t.shape("A_log")
   (HVK,) = t.shape("dt_bias")
@@ -170,7 +169,7 @@ def kda_config(state_dict, *, prefix: str = "", fla_config=None, allow_neg_eigva
                         allow_neg_eigval=allow_neg_eigval, **_short_conv(t),
                         decay_low_rank=t.shape("f_proj.0.weight")[0], output_gate="sigmoid",
                         output_gate_rank=t.shape("g_proj.0.weight")[0], output_norm=True, qk_norm="l2",
-                        norm_eps=norm_eps, **overrides)
+                        norm_eps=norm_eps, gate_lower_bound=lower_bound, **overrides)
   return cfg, D
 
 

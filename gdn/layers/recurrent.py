@@ -171,6 +171,7 @@ class RecurrentMixer(nnx.Module):
     offsets = self.in_proj.offsets()
     if (tuple(offsets) != ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj") or self.conv is None
         or cache.conv is None or cfg.decay != "head" or cfg.beta != "head" or cfg.qk_norm != "l2"
+        or cfg.gate_lower_bound is not None  # the kernel computes the softplus gate
         or not isinstance(self.o_norm, GatedRMSNorm) or self.o_norm.activation != "silu"
         or jnp.dtype(self.dtype).itemsize > 4):
       return None
@@ -221,7 +222,8 @@ class RecurrentMixer(nnx.Module):
                                method=method, chunk_size=cfg.chunk_size)
       else:
         op = functools.partial(ops.gated_delta_rule, scale=1.0, initial_state=S0, segment_ids=segment_ids,
-                               method=cfg.method, chunk_size=cfg.chunk_size, local_groups=cfg.local_groups)
+                               method=cfg.method, chunk_size=cfg.chunk_size, local_groups=cfg.local_groups,
+                               g_lower_bound=cfg.gate_lower_bound)
       if cfg.remat == "op" and cache is None:
         # Only the op's inputs are kept; its chunk-local work and chunk states run again in the backward.
         op = jax.checkpoint(op, policy=jax.checkpoint_policies.nothing_saveable)
@@ -271,13 +273,18 @@ class RecurrentMixer(nnx.Module):
     return None
 
   def _decay(self, p, B, T):
-    """g = -exp(A_log) * softplus(a + dt_bias) in float32 from the projections p of x: [B, T, HV],
-    [B, T, HV, K] or None."""
+    """g = -exp(A_log) * softplus(a + dt_bias), or with gate_lower_bound LB g = LB * sigmoid(exp(A_log) * (a +
+    dt_bias)) (fla's bounded KDA gate), in float32 from the projections p of x: [B, T, HV], [B, T, HV, K] or
+    None."""
     cfg = self.cfg
     if cfg.decay == "none":
       return None
     A = jnp.exp(self.A_log[...])
     if cfg.decay == "head":
-      return -A * jax.nn.softplus(p["a_proj"].astype(jnp.float32) + self.dt_bias[...])
-    a = self.f_b_proj(p["f_a_proj"]).astype(jnp.float32) + self.dt_bias[...]
-    return -A[:, None] * jax.nn.softplus(a.reshape(B, T, cfg.HV, cfg.head_dim))
+      a = p["a_proj"].astype(jnp.float32) + self.dt_bias[...]
+    else:
+      a = (self.f_b_proj(p["f_a_proj"]).astype(jnp.float32) + self.dt_bias[...]).reshape(B, T, cfg.HV, cfg.head_dim)
+      A = A[:, None]
+    if cfg.gate_lower_bound is not None:
+      return cfg.gate_lower_bound * jax.nn.sigmoid(A * a)
+    return -A * jax.nn.softplus(a)

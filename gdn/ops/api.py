@@ -6,6 +6,7 @@ Shapes: B batch, T time, H q/k heads, HV value heads (a multiple of H), K key di
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from gdn.ops import checks, intra_chunk
 from gdn.ops.associative import associative
@@ -36,7 +37,7 @@ def pick_method(dims: checks.Dims, chunk_size: int) -> str:
 
 @checks.scoped("gated_delta_rule")
 def gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None, initial_state=None, segment_ids=None,
-                     method="auto", chunk_size=64, local_groups=None):
+                     method="auto", chunk_size=64, local_groups=None, g_lower_bound=None):
   """The gated delta rule over a sequence. Per value head and time step, exactly:
 
     S   <- Diag(exp(g_t)) S                        # decay first: scalar or one factor per key row
@@ -55,15 +56,23 @@ def gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None, initial_state=No
       chunks in turn, recomputing each group's forward, so that its float32 intermediates exist for one group
       at a time (less memory, the same values to float32 rounding); 1 = all chunks at once (XLA's autodiff);
       None = `intra_chunk.LOCAL_GROUPS` (1). The token scan ignores it.
+    g_lower_bound: None, or a float in [-5, 0): the op computes the rule with max(g, g_lower_bound) (exactly
+      the rule where g never goes below it, as a gate that bounds its output, fla's KDA `safe_gate`, keeps it),
+      and with a per-key-channel g the chunked methods factor each chunk's pairwise decays through its
+      16-step sub-chunks as matmuls (`intra_chunk._pair_channel_bounded`) instead of building them one pair
+      and key channel at a time: 16 x 5 = 80 keeps e^80 inside float32's range, hence the -5.
   Returns:
     o [B, T, HV, V] in v's dtype, and the final state [B, HV, K, V] in float32.
   """
   dims = checks.check_sequence(q, k, v, g, beta, initial_state, segment_ids, scale, method, chunk_size)
   groups = intra_chunk.check_groups(local_groups)
+  bound = checks.check_g_lower_bound(g_lower_bound, g, intra_chunk.MIN_G_LOWER_BOUND)
+  if bound is not None:
+    g = jnp.where(g < bound, jnp.asarray(bound, g.dtype), g)  # not jnp.maximum: its gradient halves at g == bound
   if method == "auto":
     method = pick_method(dims, chunk_size)
   impl = _IMPLS[method]
-  chunked = {} if method == "recurrent" else dict(local_groups=groups)
+  chunked = {} if method == "recurrent" else dict(local_groups=groups, g_lower_bound=bound)
   o, S = impl(q, k, v, g, beta, scale=checks.default_scale(scale, dims.K), initial_state=initial_state,
               segment_ids=segment_ids, dims=dims, chunk_size=chunk_size, **chunked)
   return o.astype(v.dtype), S

@@ -58,9 +58,9 @@ def states_from_maps(Mc, Bc, S0, prec):
 
 
 def associative(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.Dims, chunk_size: int,
-                remat: bool = False, local_groups: int = 1):
-  """`method="associative"`; local_groups as `chunk`'s. Declines per-value-channel beta (its maps would be
-  [V, K, K] per chunk)."""
+                remat: bool = False, local_groups: int = 1, g_lower_bound=None):
+  """`method="associative"`; local_groups and g_lower_bound as `chunk`'s. Declines per-value-channel beta (its
+  maps would be [V, K, K] per chunk)."""
   if dims.beta_kind == "channel":
     raise ValueError("method='associative' does not support per-value-channel beta ([B, T, HV, V]); "
                      "use method='chunk', 'pallas' or 'recurrent', or a per-head beta [B, T, HV]")
@@ -69,7 +69,8 @@ def associative(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: ch
 
   def run(q, k, v, g, beta, initial_state, segment_ids):
     loc, vc, bc, N, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
-                                        chunk_size=chunk_size, local_groups=local_groups)
+                                        chunk_size=chunk_size, local_groups=local_groups,
+                                        g_lower_bound=g_lower_bound)
     Mc, Bc = cumulative_maps(loc, prec)
     S_in, S_T = states_from_maps(Mc, Bc, initial(initial_state, dims, cdt), prec)
     S_in = checkpoint_name(S_in, STATES)

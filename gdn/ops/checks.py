@@ -146,3 +146,19 @@ def check_scale(scale) -> None:
 
 def default_scale(scale: Optional[float], K: int) -> float:
   return K**-0.5 if scale is None else scale
+
+
+def check_g_lower_bound(bound, g, lowest: float, name: str = "g_lower_bound") -> Optional[float]:
+  """`g_lower_bound` (or the argument `name`) validated: None, or a Python or NumPy real in [lowest, 0) (a static
+  value: it picks the program), given with a g (anything but None); returned as a float."""
+  if bound is None:
+    return None
+  if isinstance(bound, (bool, np.bool_)) or not isinstance(bound, (int, float, np.integer, np.floating)):
+    raise TypeError(f"{name} must be None or a float in [{lowest:g}, 0) (a static value, not an array), "
+                    f"got {type(bound).__name__}")
+  if not lowest <= float(bound) < 0:
+    raise ValueError(f"{name} must be in [{lowest:g}, 0) (16 steps of a sub-chunk times it must stay "
+                     f"within float32's exp range), got {bound!r}")
+  if g is None:
+    raise ValueError(f"{name} bounds the log-decay g, but g is None (no decay)")
+  return float(bound)

@@ -142,10 +142,12 @@ def isolate_segments(run):
 
 @checks.scoped("chunk_local")
 def prepare(q, k, v, g, beta, *, scale, segment_ids, dims: checks.Dims, chunk_size: int, solver="blocked",
-            local=intra_chunk.local, local_groups: int = 1):
+            local=intra_chunk.local, local_groups: int = 1, g_lower_bound=None):
   """Pad, chunk and compute the chunk-local quantities with `local` (`intra_chunk.local` or a function of its
   signature, such as `pallas_local.local`), its backward over `local_groups` groups of chunks
-  (`intra_chunk.grouped`). Returns (Local, v_chunks, beta_chunks, N, cdt, prec)."""
+  (`intra_chunk.grouped`). g_lower_bound (the op's, g already clamped to it): a per-key-channel decay's stage is
+  `intra_chunk.local` with its bounded factorisation, whatever `local` was. Returns (Local, v_chunks,
+  beta_chunks, N, cdt, prec)."""
   B, T, HV = dims.B, dims.T, dims.HV
   C = chunk_size
   N = -(-T // C)
@@ -159,6 +161,8 @@ def prepare(q, k, v, g, beta, *, scale, segment_ids, dims: checks.Dims, chunk_si
   gc = _to_chunks(cast(g), N, C, T)
   bc = _to_chunks(cast(beta), N, C, T)
   masks = _segment_masks(segment_ids, B, T, N, C)
+  if g_lower_bound is not None and g is not None and g.ndim == 4:
+    local = functools.partial(intra_chunk.local, g_lower_bound=g_lower_bound)
   # One flat batch axis for the chunk-local work: XLA:CPU has crashed compiling the backward of batched
   # matmuls with three leading batch axes.
   lead = (B, HV, N)
@@ -316,16 +320,18 @@ def initial(initial_state, dims, cdt):
 
 
 def chunk(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.Dims, chunk_size: int,
-          remat: bool = False, solver: str = "blocked", local_groups: int = 1):
+          remat: bool = False, solver: str = "blocked", local_groups: int = 1, g_lower_bound=None):
   """`method="chunk"`. With `remat`, the backward keeps only the chunk-entering states and recomputes the
   chunk-local work; off by default because it did not lower XLA's peak memory (docs/benchmarks.md).
-  local_groups: the chunk-local stage's backward over that many groups of chunks (`intra_chunk.grouped`)."""
+  local_groups: the chunk-local stage's backward over that many groups of chunks (`intra_chunk.grouped`).
+  g_lower_bound: as `prepare`'s."""
 
   chunk_size = min(chunk_size, dims.T)  # one chunk of T, not a chunk padded past the sequence
 
   def run(q, k, v, g, beta, initial_state, segment_ids):
     loc, vc, bc, N, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
-                                        chunk_size=chunk_size, solver=solver, local_groups=local_groups)
+                                        chunk_size=chunk_size, solver=solver, local_groups=local_groups,
+                                        g_lower_bound=g_lower_bound)
     S0 = initial(initial_state, dims, cdt)
     if OUTPUT_VJP and (loc.W is not None or loc.A is None):  # not per-value-channel beta
       O, S_T = _output_pass(prec, loc.q_dec, loc.P, loc.U, loc.W, loc.k_end, loc.decay, S0)

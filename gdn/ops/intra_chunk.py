@@ -225,6 +225,16 @@ def _pair_scalar(q, k, g, dot):
   return dot("...tk,...ik->...ti", k, k) * D, dot("...tk,...ik->...ti", q, k) * D
 
 
+def _sub_chunks(q, k, g):
+  """(M, c, lead, (q, k, g) as [.., M, c, K]): the chunk's C positions as M sub-chunks of c = SUB_CHUNK (or one
+  of C where C is not a multiple of it)."""
+  C, K = k.shape[-2:]
+  c = SUB_CHUNK if C % SUB_CHUNK == 0 else C
+  M = C // c
+  lead = k.shape[:-2]
+  return M, c, lead, tuple(x.reshape(lead + (M, c, K)) for x in (q, k, g))
+
+
 def _pair_channel(q, k, g, dot):
   """A (unmasked) and P for one decay per key channel, without e^{+x} overflow.
 
@@ -234,11 +244,7 @@ def _pair_channel(q, k, g, dot):
   """
   C, K = k.shape[-2:]
   mode = _sum_mode(True)
-  c = SUB_CHUNK if C % SUB_CHUNK == 0 else C
-  M = C // c
-  lead = k.shape[:-2]
-  sub = lambda x: x.reshape(lead + (M, c, K))
-  qs, ks, gs = sub(q), sub(k), sub(g)
+  M, c, lead, (qs, ks, gs) = _sub_chunks(q, k, g)
   # Diagonal blocks: D[n, t, i, :] = sum_{i < j <= t} g_j inside sub-chunk n.
   incl = jnp.tril(jnp.ones((c, c), bool))[:, :, None]
   Dd = jnp.exp(jnp.where(incl, _segsum(gs, gs.ndim - 2, mode=mode), -jnp.inf))  # [.., M, c, c, K]
@@ -268,20 +274,72 @@ def _pair_channel(q, k, g, dot):
   return A_o + blockdiag(A_d), P_o + blockdiag(P_d)
 
 
-def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "blocked") -> Local:
+# The most negative log-decay a step that `local`'s bounded factorisation (`g_lower_bound`) accepts: a
+# sub-chunk of SUB_CHUNK steps then spans at least 16 x -5 = -80, and e^80 = 5.5e34 stays inside float32's range
+# (and bfloat16's) with a margin of about 6,000 for the products with the keys.
+MIN_G_LOWER_BOUND = -5.0
+
+
+def bounded_ok(C: int) -> bool:
+  """Whether a chunk of C positions splits into sub-chunks of at most SUB_CHUNK, as the bounded factorisation
+  needs (otherwise `local` takes the exact form)."""
+  return C <= SUB_CHUNK or C % SUB_CHUNK == 0
+
+
+def _pair_channel_bounded(q, k, g, dot):
+  """A (unmasked above the diagonal: zero there) and P for one decay per key channel whose every log-decay lies
+  in [MIN_G_LOWER_BOUND, 0]: all of it as batched matmuls, no [c, c, K] pairwise decays.
+
+  Each row block n (sub-chunk n, anchored at its start) factors e^{gamma_t - gamma_i} as e^{F_t} e^{E_{n,i}}:
+  F_t = the sum of g over block n's steps up to t (its first included), in [16 lb, 0]; E_{n,i} = -F_i inside
+  block n (at most -16 lb = 80, so e^{E} <= 5.5e34), and for an earlier block m the span sum from i to n's start
+  (<= 0, `_pair_channel`'s R plus the blocks between). Later blocks get E = -inf (a zero factor, no overflow)."""
+  C, K = k.shape[-2:]
+  mode = _sum_mode(True)
+  M, c, lead, (qs, ks, gs) = _sub_chunks(q, k, g)
+  F = _incl_sums(gs, gs.ndim - 2, mode=mode)  # [.., M, c, K]
+  nn = jnp.arange(M)
+  same = (nn[:, None] == nn[None, :])[:, :, None, None]  # [n, m, 1, 1]
+  E = jnp.broadcast_to(-F[..., :, None, :, :], lead + (M, M, c, K))  # block n's own columns: -F_i
+  if M > 1:
+    R = _rev_excl_sums(gs, gs.ndim - 2, mode=mode)  # [.., m, i, K] sum over (i, end of m]
+    Y = _segsum(F[..., -1, :], F.ndim - 3, mode=mode)  # [.., n, m, K] sum_{m < l <= n} of the blocks' totals
+    between = jnp.concatenate([jnp.zeros_like(Y[..., :1, :, :]), Y[..., :-1, :, :]], axis=-3)  # m < l < n
+    earlier = (nn[:, None] > nn[None, :])[:, :, None, None]
+    E = jnp.where(earlier, between[..., :, :, None, :] + R[..., None, :, :, :], E)
+    E = jnp.where(same | earlier, E, -jnp.inf)
+  e_F = jnp.exp(F)
+  cols = ks[..., None, :, :, :] * jnp.exp(E)  # [.., n, m, i, K]
+  A = dot("...ntk,...nmik->...ntmi", ks * e_F, cols).reshape(lead + (C, C))
+  P = dot("...ntk,...nmik->...ntmi", qs * e_F, cols).reshape(lead + (C, C))
+  # Above the diagonal inside a block the factors give e^{+x} (up to e^80 times the keys' products): finite,
+  # and cut here by a select, so that neither those values nor their cotangents reach anything else. The
+  # diagonal (decay e^0 = 1, no g in it) is cut too and P's is q_t . k_t directly: through the factors its
+  # cotangent would reach F_t twice, once from each side, with opposite signs, and their float32 difference
+  # would swamp g's small gradient under a strong decay (4e-2 relative at g = -5 everywhere, against 7e-8).
+  strict = jnp.tril(jnp.ones((C, C), bool), -1)
+  P_diag = dot("...tk,...tk->...t", q, k)
+  return jnp.where(strict, A, 0.0), jnp.where(strict, P, jnp.where(jnp.eye(C, dtype=bool), P_diag[..., None], 0.0))
+
+
+def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "blocked",
+          g_lower_bound: Optional[float] = None) -> Local:
   """Chunk-local quantities for L = B*HV*N chunks. q (already scaled), k [L,C,K]; v [L,C,V];
   g None, [L,C] or [L,C,K]; beta None, [L,C] or [L,C,V];
   masks None or (same [L,C,C], carries [L,C], reaches_end [L,C], unbroken [L,1]).
   solver: "triangular" (`lax.linalg.triangular_solve`) or "blocked" (`invert_unit_lower`, then a matmul).
   16-bit q, k, v: products accumulate in float32, and the outputs but decay and A come back in their dtype.
   Differentiated, its VJP is autodiff's, or with LOCAL_VJP the hand-derived `_local_bwd` (per-head decay and
-  beta, blocked solver)."""
+  beta, blocked solver). g_lower_bound: None, or a promise that every g >= it (>= MIN_G_LOWER_BOUND): a per-key-
+  channel decay then takes the bounded factorisation (`_pair_channel_bounded`, matmuls only) where the chunk
+  splits into sub-chunks of at most SUB_CHUNK; the op (`gated_delta_rule`) keeps the promise by clamping g."""
   if LOCAL_VJP and g is not None and g.ndim == 2 and beta_kind == "head" and solver == "blocked":
     return _local_own_vjp(prec, q, k, v, g, beta, masks)
-  return _local(q, k, v, g, beta, masks, beta_kind=beta_kind, prec=prec, solver=solver)[0]
+  return _local(q, k, v, g, beta, masks, beta_kind=beta_kind, prec=prec, solver=solver,
+                g_lower_bound=g_lower_bound)[0]
 
 
-def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str):
+def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str, g_lower_bound=None):
   """`local`'s forward: (Local, T), T = (I + Diag(beta) A)^{-1} [L, C, C] from the blocked solver (float32, or the
   16-bit inputs' dtype with LOWP_SOLVE), else None."""
   odt = k.dtype
@@ -303,8 +361,11 @@ def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str):
       A, P = (jax.checkpoint(pair) if PAIR_REMAT else pair)(q, k, g)
       gam, to_end, total = gam[..., None], to_end[..., None], gam[..., -1:]
     else:
-      pair = functools.partial(_pair_channel, dot=dot)
-      A, P = (jax.checkpoint(pair) if CHANNEL_PAIR_REMAT else pair)(q, k, g)
+      if g_lower_bound is not None and bounded_ok(C):
+        A, P = _pair_channel_bounded(q, k, g, dot)
+      else:
+        pair = functools.partial(_pair_channel, dot=dot)
+        A, P = (jax.checkpoint(pair) if CHANNEL_PAIR_REMAT else pair)(q, k, g)
       total = gam[..., -1, :]
     e_gam = jnp.exp(gam)
     q_dec, k_dec, k_end = q * e_gam, k * e_gam, k * jnp.exp(to_end)

@@ -743,10 +743,11 @@ def output_pass(loc: intra_chunk.Local, S0, prec, *, beta=None, out_dtype=jnp.fl
 
 
 def pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.Dims, chunk_size: int,
-           block_v: int = BLOCK_V, interpret: Optional[bool] = None, local_groups: int = 1):
+           block_v: int = BLOCK_V, interpret: Optional[bool] = None, local_groups: int = 1, g_lower_bound=None):
   """`method="pallas"`: `chunk` with its sequential chunk scan replaced by the Pallas kernels, and with
-  `FUSED_LOCAL` its chunk-local work by `pallas_local`'s kernel (per-head decay and beta); local_groups as
-  `chunk`'s. Every variant: with per-value-channel beta the state-pass kernel solves each chunk's write vectors
+  `FUSED_LOCAL` its chunk-local work by `pallas_local`'s kernel (per-head decay and beta); local_groups and
+  g_lower_bound as `chunk`'s (a bound takes a per-key-channel decay's stage from the kernel to XLA's bounded
+  factorisation). Every variant: with per-value-channel beta the state-pass kernel solves each chunk's write vectors
   per value channel (`_channel_solve`)."""
   chunk_size = min(chunk_size, dims.T)
 
@@ -759,7 +760,8 @@ def pallas(q, k, v, g, beta, *, scale, initial_state, segment_ids, dims: checks.
     local = (functools.partial(pallas_local.local, interpret=interpret, num_warps=warps) if switch(FUSED_LOCAL)
              else intra_chunk.local)
     loc, _, bc, _, cdt, prec = prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
-                                       chunk_size=chunk_size, local=local, local_groups=local_groups)
+                                       chunk_size=chunk_size, local=local, local_groups=local_groups,
+                                       g_lower_bound=g_lower_bound)
     S0 = initial(initial_state, dims, cdt)
     bc = bc if dims.beta_kind == "channel" else None
     if switch(FUSED_OUTPUT):
