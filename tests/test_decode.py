@@ -44,6 +44,8 @@ KINDS = {
     # Grouped value heads, separate K / V dims and negative eigenvalues ride along on two of the presets.
     "deltanet": ("R", recurrent_preset("deltanet", allow_neg_eigval=True, **SMALL)),
     "kda": ("R", recurrent_preset("kda", num_v_heads=4, v_head_dim=12, decay_low_rank=4, **SMALL)),
+    # fla's bounded KDA gate: the chunked op told the bound (matmul pair products), the decode step not
+    "kda_bounded_gate": ("R", recurrent_preset("kda", decay_low_rank=4, gate_lower_bound=-5.0, **SMALL)),
     "attention": ("A", None),
     "sliding_window": ("W", None),
 }

@@ -101,7 +101,8 @@ def test_routing():
     assert m._decode_layout(cache, 1, None) is not None
     assert m._decode_layout(cache, 2, None) is None  # prefill
     assert m._decode_layout(None, 1, None) is None  # no cache
-    for overrides in (dict(short_conv=False), dict(output_gate="sigmoid"), dict(head_dim=12), dict(beta="channel")):
+    for overrides in (dict(short_conv=False), dict(output_gate="sigmoid"), dict(head_dim=12), dict(beta="channel"),
+                      dict(gate_lower_bound=-5.0)):  # the kernel computes the softplus gate
       other, _, c = _mixer(1, jnp.float32, **overrides)
       assert other._decode_layout(c, 1, None) is None, overrides
     cfg = recurrent_preset("kda", num_heads=2, head_dim=16, decay_low_rank=4)

@@ -45,6 +45,12 @@ def test_matches_float64_oracle(method, shape):
   assert rel(got[0], exact[0]) < 2e-5
 
 
+def test_local_groups():
+  """The chunk-local backward over groups of chunks (`local_groups`) takes the bounded form too."""
+  x = _bounded_inputs(9, 2, 70, 1, 2, 8, 5)
+  assert_close(run("chunk", x, chunk_size=16, g_lower_bound=LB, local_groups=3), oracle(x), 2e-5)
+
+
 def test_every_step_at_the_bound_and_no_beta():
   """g = LB everywhere (every sub-chunk spans exactly -80) with per-value-channel, per-head and no beta. g's
   gradient is then tiny (a decay of e^-5 a step: its norm about 1e-3 of q's), and a pair inside a sub-chunk
@@ -65,10 +71,13 @@ def test_pallas_method():
   assert_close(run("pallas", x, chunk_size=32, g_lower_bound=LB), oracle(x), 2e-5)
 
 
-def test_bfloat16_inputs():
+@pytest.mark.parametrize("lowp_dots", [False, True])
+def test_bfloat16_inputs(monkeypatch, lowp_dots):
+  """bfloat16 q, k, v, beta and g, with the dots' operands in float32 or (BOUNDED_LOWP_DOTS) in bfloat16."""
+  monkeypatch.setattr(intra_chunk, "BOUNDED_LOWP_DOTS", lowp_dots)
   x_bf, x_ref = bfloat16_inputs(_bounded_inputs(4, 2, 80, 2, 2, 16, 16))
-  x_ref["g"] = np.asarray(jnp.asarray(x_ref["g"], jnp.bfloat16), np.float64)  # the bound as bfloat16 holds it
-  assert_close(run("chunk", x_bf, chunk_size=64, g_lower_bound=LB), oracle(x_ref), 2e-2)
+  got = run("chunk", x_bf, chunk_size=64, g_lower_bound=LB, switches=(("BOUNDED_LOWP_DOTS", lowp_dots),))
+  assert_close(got, oracle(x_ref), 2e-2)
 
 
 def test_clamps_g_below_the_bound():
@@ -180,3 +189,15 @@ def test_config_refuses_a_bad_gate_lower_bound(kw, match):
   from gdn.config import RecurrentConfig
   with pytest.raises(ValueError, match=match):
     RecurrentConfig(**kw)
+
+
+def test_accuracy_table_script():
+  """`experiments.bounded_gate_accuracy`: every row of its table, within the oracle tolerances above."""
+  from experiments import bounded_gate_accuracy
+
+  rows = bounded_gate_accuracy.main([])
+  assert len(rows) == 9
+  for r in rows:
+    tol = 2e-2 if r["inputs"].startswith("bfloat16") else 2e-5
+    assert all(r[c] < tol for c in ("o", "dq", "dk", "dv", "dbeta", "dinitial_state")), r
+    assert r["dg"] < (1e-3 if "-5 everywhere" in r["inputs"] else tol), r

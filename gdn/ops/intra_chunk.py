@@ -93,6 +93,13 @@ PAIR_REMAT = False
 # estimate does not fall with it (its scheduler runs every layer's recomputation at once). False: autodiff keeps
 # them. Read at trace time.
 CHANNEL_PAIR_REMAT = True
+# The bounded factorisation's dots (`_pair_channel_bounded`, `gated_delta_rule(g_lower_bound=...)`): True, their
+# operands (the keys and queries times their decay factors) rounded to the inputs' dtype where it is 16-bit, as
+# the fused kernel's off-diagonal dots and fla's safe_gate kernel take them: half the bytes of the [M, M, 16, K]
+# column factors and bfloat16 tensor-core products, float32 accumulation; False, float32 operands (at the
+# caller's precision: one TF32 pass for bfloat16 callers on a GPU). Read at trace time. Off until timed on the
+# card; on CPU it keeps the bfloat16 tolerance of the float64 oracle (`tests/test_g_lower_bound.py`).
+BOUNDED_LOWP_DOTS = False
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -287,8 +294,9 @@ def bounded_ok(C: int) -> bool:
 
 
 def _pair_channel_bounded(q, k, g, dot):
-  """A (unmasked above the diagonal: zero there) and P for one decay per key channel whose every log-decay lies
-  in [MIN_G_LOWER_BOUND, 0]: all of it as batched matmuls, no [c, c, K] pairwise decays.
+  """A (strictly lower: zero on and above the diagonal, which `_local` never reads) and P (lower, diagonal
+  included) for one decay per key channel whose every log-decay lies in [MIN_G_LOWER_BOUND, 0]: all of it as
+  batched matmuls, no [c, c, K] pairwise decays.
 
   Each row block n (sub-chunk n, anchored at its start) factors e^{gamma_t - gamma_i} as e^{F_t} e^{E_{n,i}}:
   F_t = the sum of g over block n's steps up to t (its first included), in [16 lb, 0]; E_{n,i} = -F_i inside
@@ -309,9 +317,11 @@ def _pair_channel_bounded(q, k, g, dot):
     E = jnp.where(earlier, between[..., :, :, None, :] + R[..., None, :, :, :], E)
     E = jnp.where(same | earlier, E, -jnp.inf)
   e_F = jnp.exp(F)
-  cols = ks[..., None, :, :, :] * jnp.exp(E)  # [.., n, m, i, K]
-  A = dot("...ntk,...nmik->...ntmi", ks * e_F, cols).reshape(lead + (C, C))
-  P = dot("...ntk,...nmik->...ntmi", qs * e_F, cols).reshape(lead + (C, C))
+  cols, k_rows, q_rows = ks[..., None, :, :, :] * jnp.exp(E), ks * e_F, qs * e_F  # cols [.., n, m, i, K]
+  if BOUNDED_LOWP_DOTS and jnp.dtype(k.dtype).itemsize == 2:
+    cols, k_rows, q_rows = (x.astype(k.dtype) for x in (cols, k_rows, q_rows))
+  A = dot("...ntk,...nmik->...ntmi", k_rows, cols).reshape(lead + (C, C))
+  P = dot("...ntk,...nmik->...ntmi", q_rows, cols).reshape(lead + (C, C))
   # Above the diagonal inside a block the factors give e^{+x} (up to e^80 times the keys' products): finite,
   # and cut here by a select, so that neither those values nor their cotangents reach anything else. The
   # diagonal (decay e^0 = 1, no g in it) is cut too and P's is q_t . k_t directly: through the factors its
