@@ -7,6 +7,7 @@ chunk only), each row against the default (local_groups 1, OUTPUT_VJP off) of it
                                                         # experiments.layer_residuals (d_model 256, 4 x 1024)
   python -m experiments.op_memory --groups 1,4 --methods pallas --no-layer
   python -m experiments.op_memory --groups 1 --no-layer --switch intra_chunk.INVERSE_VJP --switch intra_chunk.LOCAL_VJP
+  python -m experiments.op_memory --groups 1 --methods chunk --no-layer --decay channel --g-lower-bound -5   # KDA
 
 --switch MODULE.NAME (repeatable) repeats the tables for every combination of those `gdn.ops` switches off and on
 (each table's title names the setting); the "vs default" ratios are within a table.
@@ -31,11 +32,12 @@ from gdn.bench.timing import compiled_bytes, timed
 from gdn.ops import chunk
 
 
-def op_step(method: str, local_groups: int, chunk_size: int):
+def op_step(method: str, local_groups: int, chunk_size: int, g_lower_bound=None):
   """loss(q, k, v, g, beta): a fixed weighting of the op's output (its gradient is the op's backward)."""
 
   def loss(q, k, v, g, beta):
-    o = ops.gated_delta_rule(q, k, v, g, beta, method=method, chunk_size=chunk_size, local_groups=local_groups)[0]
+    o = ops.gated_delta_rule(q, k, v, g, beta, method=method, chunk_size=chunk_size, local_groups=local_groups,
+                             g_lower_bound=g_lower_bound)[0]
     return jnp.sum(o.astype(jnp.float32) * jnp.cos(jnp.arange(o.shape[-1], dtype=jnp.float32)))
 
   return loss
@@ -87,6 +89,10 @@ def parse_args(argv=None):
   p.add_argument("--length", type=int, default=1024, help="the layer's T")
   p.add_argument("--switch", action="append", default=[], metavar="MODULE.NAME",
                  help="a gdn.ops module switch to run off and on (repeatable: every combination)")
+  p.add_argument("--decay", choices=("head", "channel"), default="head",
+                 help="the op's g: per head (Gated DeltaNet) or per key channel (KDA); the layer table keeps its own")
+  p.add_argument("--g-lower-bound", type=float, metavar="LB",
+                 help="the op's g_lower_bound (with --decay channel: the bounded chunk-local form)")
   return p.parse_args(argv)
 
 
@@ -123,10 +129,11 @@ def main(argv=None):
 def tables(a, suffix: str) -> None:
   B, T, H, D = map(int, a.shape.split(","))
   rows = settings(a.methods.split(","), [int(g) for g in a.groups.split(",")])
-  args, _ = inputs((B, T, H, D), jnp.bfloat16)
-  make = lambda m, G: op_step(m, G, a.chunk_size)
+  args, _ = inputs((B, T, H, D), jnp.bfloat16, a.decay, jnp.float32 if a.decay == "channel" else None)
+  make = lambda m, G: op_step(m, G, a.chunk_size, a.g_lower_bound)
+  bound = "" if a.g_lower_bound is None else f", g_lower_bound {a.g_lower_bound:g}"
   table(f"# the op alone, fwd+bwd (gradient w.r.t. q, k, v, g, beta): B {B}, T {T}, {H} heads x {D}, bf16, "
-        f"chunk {a.chunk_size}; jax {jax.__version__}, {jax.default_backend()}{suffix}",
+        f"{a.decay} decay{bound}, chunk {a.chunk_size}; jax {jax.__version__}, {jax.default_backend()}{suffix}",
         run_rows(rows, make, args, (0, 1, 2, 3, 4), a.reps), B * T)
   if a.no_layer:
     return

@@ -19,3 +19,12 @@ def test_switch_repeats_the_tables_and_restores_the_setting(capsys):
   assert intra_chunk.LOCAL_VJP == before
   with pytest.raises(SystemExit, match="no setting 'NOPE'"):
     op_memory.main(["--no-layer", "--switch", "intra_chunk.NOPE"])
+
+
+def test_kda_decay_with_a_bound(capsys):
+  """--decay channel --g-lower-bound: the KDA op's table, bounded, named in its title."""
+  op_memory.main(["--shape", "1,64,1,16", "--groups", "1", "--methods", "chunk", "--no-layer", "--reps", "1",
+                  "--decay", "channel", "--g-lower-bound", "-5"])
+  out = capsys.readouterr().out.splitlines()
+  assert any("channel decay, g_lower_bound -5" in l for l in out if l.startswith("# the op alone"))
+  assert len([l for l in out if l.startswith("| chunk |")]) == 2
