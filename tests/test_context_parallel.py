@@ -150,6 +150,25 @@ def test_one_device_mesh_matches_oracle():
   np.testing.assert_allclose(S, S64, atol=TOL * np.abs(S64).max(), rtol=0)
 
 
+def test_one_device_mesh_with_a_bounded_gate():
+  """g_lower_bound reaches each slice's chunk-local stage: the KDA op's bounded form, the same as the plain op's,
+  and g below the bound is clamped as there."""
+  from gdn import ops
+
+  import jax
+
+  x, seg, _ = make_inputs("channel", "head", seed=2)
+  x = dict(x, g=np.where(np.arange(x["g"].size).reshape(x["g"].shape) % 7 == 0, -30.0, x["g"]).astype(np.float32))
+  cp = jax.jit(lambda x, seg: ops.context_parallel_gated_delta_rule(
+      **x, segment_ids=seg, mesh=_one_device_mesh(), axis_name="seq", chunk_size=C, g_lower_bound=-2.0))
+  plain = jax.jit(lambda x, seg: ops.gated_delta_rule(**x, segment_ids=seg, chunk_size=C, method="chunk",
+                                                       g_lower_bound=-2.0))
+  unbounded_on_clamped = ops.gated_delta_rule(**dict(x, g=np.maximum(x["g"], -2.0)), segment_ids=seg, chunk_size=C)
+  for got, want in ((cp(x, seg), plain(x, seg)), (cp(x, seg), unbounded_on_clamped)):
+    for a, b in zip(got, want):
+      np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max(), rtol=0)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(beta=np.ones((B, T, HV, V), np.float32)), "per-value-channel beta"),
     (dict(method="recurrent"), "method must be one of"),

@@ -219,7 +219,7 @@ class RecurrentMixer(nnx.Module):
         # The token scan has no slice map: "auto" and "recurrent" run the chunk form across devices.
         method = cfg.method if cfg.method in ("chunk", "associative") else "chunk"
         op = functools.partial(local_gated_delta_rule, axis_name=context_axis, scale=1.0, segment_ids=segment_ids,
-                               method=method, chunk_size=cfg.chunk_size)
+                               method=method, chunk_size=cfg.chunk_size, g_lower_bound=cfg.gate_lower_bound)
       else:
         op = functools.partial(ops.gated_delta_rule, scale=1.0, initial_state=S0, segment_ids=segment_ids,
                                method=cfg.method, chunk_size=cfg.chunk_size, local_groups=cfg.local_groups,

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gdn.ops import associative, checks, chunk
+from gdn.ops import associative, checks, chunk, intra_chunk
 
 try:  # jax >= 0.7 exposes shard_map at the top level; older releases only in jax.experimental
   from jax import shard_map as _shard_map
@@ -55,7 +55,7 @@ MAPS = "gdn_cp_maps"  # checkpoint name of the all-gathered slice maps: with rem
 
 def context_parallel_gated_delta_rule(q, k, v, g=None, beta=None, *, mesh, axis_name, scale=None,
                                       initial_state=None, segment_ids=None, method="auto", chunk_size=64,
-                                      batch_axis_name=None, remat=False):
+                                      batch_axis_name=None, remat=False, g_lower_bound=None):
   """`gdn.ops.gated_delta_rule` with the time axis of q, k, v, g, beta and segment_ids split over the mesh
   axis `axis_name` (device d holds time steps [d L, (d + 1) L)). Same recurrence, per value head and step:
 
@@ -74,6 +74,7 @@ def context_parallel_gated_delta_rule(q, k, v, g=None, beta=None, *, mesh, axis_
       the state unchanged, and the padding is cut from the output.
     remat: keep for the backward only the chunk-entering states and the gathered maps and recompute the
       chunk-local work (off by default, as in the single-device ops).
+    g_lower_bound: as `gdn.ops.gated_delta_rule`'s (the rule on max(g, bound); KDA's bounded chunk-local form).
   Returns:
     o [B, T, HV, V] in v's dtype (split over `axis_name` like v where D divides T), and the final state
     [B, HV, K, V] (float32): the last device's end state, replicated over `axis_name`.
@@ -96,7 +97,8 @@ def context_parallel_gated_delta_rule(q, k, v, g=None, beta=None, *, mesh, axis_
 
   def body(q, k, v, g, beta, initial_state, segment_ids):
     return local_gated_delta_rule(q, k, v, g, beta, axis_name=axis_name, scale=scale, initial_state=initial_state,
-                                  segment_ids=segment_ids, method=method, chunk_size=chunk_size, remat=remat)
+                                  segment_ids=segment_ids, method=method, chunk_size=chunk_size, remat=remat,
+                                  g_lower_bound=g_lower_bound)
 
   o, S_T = _shard_map(body, mesh=mesh, in_specs=specs, out_specs=(seq, rows))(*args)
   if pad:
@@ -106,7 +108,7 @@ def context_parallel_gated_delta_rule(q, k, v, g=None, beta=None, *, mesh, axis_
 
 
 def local_gated_delta_rule(q, k, v, g=None, beta=None, *, axis_name, scale=None, initial_state=None,
-                           segment_ids=None, method="auto", chunk_size=64, remat=False):
+                           segment_ids=None, method="auto", chunk_size=64, remat=False, g_lower_bound=None):
   """One device's part of `context_parallel_gated_delta_rule`, to be called where the mesh axis `axis_name`
   is bound (inside a `shard_map`): the arguments are this device's slice, device d of the axis holding time
   steps [d L, (d + 1) L) of the sequence. Every device's slice has the same length L, which need not be a
@@ -115,15 +117,20 @@ def local_gated_delta_rule(q, k, v, g=None, beta=None, *, axis_name, scale=None,
   Args:
     q, k: [B, L, H, K]. v: [B, L, HV, V]. g: None, [B, L, HV] or [B, L, HV, K]. beta: None or [B, L, HV].
     initial_state: None or [B, HV, K, V], the state entering the whole sequence (the same on every device).
-    segment_ids: None or [B, L], this slice of the sequence's ids. Others as `context_parallel_gated_delta_rule`.
+    segment_ids: None or [B, L], this slice of the sequence's ids. Others (g_lower_bound included) as
+      `context_parallel_gated_delta_rule`.
   Returns:
     o [B, L, HV, V] in v's dtype (this slice's outputs) and the final state [B, HV, K, V] (float32) of the
     whole sequence, the same on every device.
   """
   dims = checks.check_sequence(q, k, v, g, beta, initial_state, segment_ids, scale, "chunk", chunk_size)
   _check_supported(dims, method)
+  bound = checks.check_g_lower_bound(g_lower_bound, g, intra_chunk.MIN_G_LOWER_BOUND)
+  if bound is not None:
+    g = jnp.where(g < bound, jnp.asarray(bound, g.dtype), g)  # as gated_delta_rule's clamp
   body = functools.partial(_slice, dims=dims, axis_name=axis_name, scale=checks.default_scale(scale, dims.K),
-                           method="chunk" if method == "auto" else method, chunk_size=chunk_size)
+                           method="chunk" if method == "auto" else method, chunk_size=chunk_size,
+                           g_lower_bound=bound)
   if remat:
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_only_these_names(chunk.STATES, MAPS))
   return body(q, k, v, g, beta, initial_state, segment_ids)
@@ -147,11 +154,12 @@ def _check_supported(dims, method):
 _REMAT_ASSOCIATIVE_SCAN = jax.__version_info__ >= (0, 11)
 
 
-def _slice(q, k, v, g, beta, initial_state, segment_ids, *, dims, axis_name, scale, method, chunk_size):
+def _slice(q, k, v, g, beta, initial_state, segment_ids, *, dims, axis_name, scale, method, chunk_size,
+           g_lower_bound=None):
   """One device's part: its slice [B, L, ...] in, its outputs [B, L, HV, V] and the replicated final state out."""
   d, D = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
   loc, vc, bc, N, cdt, prec = chunk.prepare(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, dims=dims,
-                                            chunk_size=chunk_size)
+                                            chunk_size=chunk_size, g_lower_bound=g_lower_bound)
   if method == "associative":
     Mc, Bc = associative.cumulative_maps(loc, prec, remat_scan=_REMAT_ASSOCIATIVE_SCAN)
     M, B = Mc[:, :, -1], Bc[:, :, -1]
