@@ -9,7 +9,6 @@ cotangent, dS_in and dP, and the solve's joint right-hand sides.
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 from gdn import ops
 

@@ -1,7 +1,5 @@
 """RecurrentConfig.remat: the mixer's backward keeps less and computes the same gradients."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gdn import ops
-from gdn.ops import checks, intra_chunk, pallas_chunk, pallas_local
+from gdn.ops import intra_chunk, pallas_chunk, pallas_local
 from lowering import cuda_hlo
 from test_ops import assert_close, bfloat16_inputs, make_inputs, oracle, vjp_inputs
 

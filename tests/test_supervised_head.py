@@ -11,7 +11,7 @@ from flax import nnx
 from gdn.config import AttentionConfig, ModelConfig, RecurrentConfig
 from gdn.data import mqar
 from gdn.model import LanguageModel
-from gdn.train import optimizer, step
+from gdn.train import step
 from gdn.train.config import ConfigError
 from gdn.train.config_file import resolve
 from gdn.train.metrics import read_jsonl

@@ -191,7 +191,7 @@ class RecurrentMixer(nnx.Module):
   def _mix(self, p, *, B, T, segment_ids, cache, context_axis):
     """From the projections p of x to the normed, gated op output o [B, T, HV, V]: (o, conv state, S)."""
     cfg = self.cfg
-    H, HV, K, V = cfg.num_heads, cfg.HV, cfg.head_dim, cfg.V
+    HV, V = cfg.HV, cfg.V
     features = functools.partial(self._features, B=B, T=T, segment_ids=segment_ids, cache=cache,
                                  context_axis=context_axis)
     if cfg.remat == "features" and cache is None:
