@@ -63,7 +63,8 @@ class RecurrentConfig:
   decay_low_rank: int = 16  # rank of the KDA per-channel decay projection
   # None: g = -exp(A_log) softplus(a + dt_bias) (unbounded below). LB in [-5, 0): fla's bounded KDA gate
   # g = LB sigmoid(exp(A_log) (a + dt_bias)), in (LB, 0), and the op told so (`gated_delta_rule(g_lower_bound=LB)`:
-  # a per-key-channel decay's chunk-local products as matmuls).
+  # a per-key-channel decay's chunk-local products as matmuls); with dt_init "fla", A_log starts at 0 (A = 1), as
+  # fla's KDA layer with safe_gate.
   gate_lower_bound: Optional[float] = None
   dt_init: str = "fla"  # "fla": dt_bias = softplus^-1(log-uniform[1e-3, 0.1]), A ~ U(1, 16); "seed": dt_bias = 1, A ~ U(0, 16)
   dropout: float = 0.0

@@ -33,10 +33,11 @@ class RecurrentCache(NamedTuple):
   S: jax.Array  # [B, HV, K, V] float32
 
 
-def init_decay(key, shape_A, shape_dt, dt_init: str):
+def init_decay(key, shape_A, shape_dt, dt_init: str, bounded: bool = False):
   """(A_log, dt_bias) for g = -exp(A_log) * softplus(a + dt_bias).
 
-  "fla": dt = log-uniform in [1e-3, 0.1] (floored at 1e-4), dt_bias = softplus^-1(dt), A ~ U(1, 16).
+  "fla": dt = log-uniform in [1e-3, 0.1] (floored at 1e-4), dt_bias = softplus^-1(dt), A ~ U(1, 16); with
+  `bounded` (the gate LB * sigmoid(exp(A_log) * (a + dt_bias))) A = 1, as fla's KDA layer with safe_gate.
   "seed": dt_bias = 1, A ~ U(0, 16).
   """
   k_A, k_dt = jax.random.split(key)
@@ -44,7 +45,7 @@ def init_decay(key, shape_A, shape_dt, dt_init: str):
     # U(0, 16) can return exactly 0; the floor only keeps log finite for that 1-in-2^23 draw.
     A = jnp.maximum(jax.random.uniform(k_A, shape_A, jnp.float32, 0.0, 16.0), 1e-30)
     return jnp.log(A), jnp.ones(shape_dt, jnp.float32)
-  A = jax.random.uniform(k_A, shape_A, jnp.float32, 1.0, 16.0)
+  A = jnp.ones(shape_A, jnp.float32) if bounded else jax.random.uniform(k_A, shape_A, jnp.float32, 1.0, 16.0)
   lo, hi = math.log(1e-3), math.log(0.1)
   dt = jnp.maximum(jnp.exp(jax.random.uniform(k_dt, shape_dt, jnp.float32, lo, hi)), 1e-4)
   return jnp.log(A), dt + jnp.log(-jnp.expm1(-dt))
@@ -94,7 +95,8 @@ class RecurrentMixer(nnx.Module):
     self.f_a_proj = linear(d_model, cfg.decay_low_rank) if channel else None
     self.f_b_proj = linear(cfg.decay_low_rank, HV * K) if channel else None
     if cfg.decay != "none":
-      A_log, dt_bias = init_decay(rngs.params(), (HV,), (HV,) if head else (HV * K,), cfg.dt_init)
+      A_log, dt_bias = init_decay(rngs.params(), (HV,), (HV,) if head else (HV * K,), cfg.dt_init,
+                                  bounded=cfg.gate_lower_bound is not None)
       self.A_log, self.dt_bias = nnx.Param(A_log), nnx.Param(dt_bias)
     else:
       self.A_log = self.dt_bias = None
