@@ -6,7 +6,6 @@ Shapes: B batch, T time, H q/k heads, HV value heads (a multiple of H), K key di
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from gdn.ops import checks, intra_chunk
 from gdn.ops.associative import associative
@@ -66,9 +65,7 @@ def gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None, initial_state=No
   """
   dims = checks.check_sequence(q, k, v, g, beta, initial_state, segment_ids, scale, method, chunk_size)
   groups = intra_chunk.check_groups(local_groups)
-  bound = checks.check_g_lower_bound(g_lower_bound, g, intra_chunk.MIN_G_LOWER_BOUND)
-  if bound is not None:
-    g = jnp.where(g < bound, jnp.asarray(bound, g.dtype), g)  # not jnp.maximum: its gradient halves at g == bound
+  g, bound = intra_chunk.clamp_to_bound(g, g_lower_bound)
   if method == "auto":
     method = pick_method(dims, chunk_size)
   impl = _IMPLS[method]

@@ -125,9 +125,7 @@ def local_gated_delta_rule(q, k, v, g=None, beta=None, *, axis_name, scale=None,
   """
   dims = checks.check_sequence(q, k, v, g, beta, initial_state, segment_ids, scale, "chunk", chunk_size)
   _check_supported(dims, method)
-  bound = checks.check_g_lower_bound(g_lower_bound, g, intra_chunk.MIN_G_LOWER_BOUND)
-  if bound is not None:
-    g = jnp.where(g < bound, jnp.asarray(bound, g.dtype), g)  # as gated_delta_rule's clamp
+  g, bound = intra_chunk.clamp_to_bound(g, g_lower_bound)
   body = functools.partial(_slice, dims=dims, axis_name=axis_name, scale=checks.default_scale(scale, dims.K),
                            method="chunk" if method == "auto" else method, chunk_size=chunk_size,
                            g_lower_bound=bound)

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdn.ops import checks
+
 SUB_CHUNK = 16
 # The chunk-local stage's differentiated forward and backward over groups of chunks (`grouped`): 1 (today) lets JAX
 # differentiate `local`, which keeps its intermediates and runs its backward over all chunks at once; G > 1 keeps
@@ -285,6 +287,15 @@ def _pair_channel(q, k, g, dot):
 # sub-chunk of SUB_CHUNK steps then spans at least 16 x -5 = -80, and e^80 = 5.5e34 stays inside float32's range
 # (and bfloat16's) with a margin of about 6,000 for the products with the keys.
 MIN_G_LOWER_BOUND = -5.0
+
+
+def clamp_to_bound(g, g_lower_bound):
+  """(g, bound): an op's `g_lower_bound` validated (None, or a float in [MIN_G_LOWER_BOUND, 0) given with a g)
+  and g clamped to it, g itself where it is None. Not jnp.maximum, whose gradient halves where g equals the bound."""
+  bound = checks.check_g_lower_bound(g_lower_bound, g, MIN_G_LOWER_BOUND)
+  if bound is None:
+    return g, None
+  return jnp.where(g < bound, jnp.asarray(bound, g.dtype), g), bound
 
 
 def bounded_ok(C: int) -> bool:
