@@ -99,9 +99,10 @@ CHANNEL_PAIR_REMAT = True
 # operands (the keys and queries times their decay factors) rounded to the inputs' dtype where it is 16-bit, as
 # the fused kernel's off-diagonal dots and fla's safe_gate kernel take them: half the bytes of the [M, M, 16, K]
 # column factors and bfloat16 tensor-core products, float32 accumulation; False, float32 operands (at the
-# caller's precision: one TF32 pass for bfloat16 callers on a GPU). Read at trace time. Off until timed on the
-# card; on CPU it keeps the bfloat16 tolerance of the float64 oracle (`tests/test_g_lower_bound.py`).
-BOUNDED_LOWP_DOTS = False
+# caller's precision: one TF32 pass for bfloat16 callers on a GPU). Read at trace time. On: 0.78x forward and
+# 0.72x forward+backward at (4, 2048, 16, 128) on an H100 (docs/benchmarks.md, "KDA with a bounded gate"),
+# within the bfloat16 tolerance of the float64 oracle (`tests/test_g_lower_bound.py`).
+BOUNDED_LOWP_DOTS = True
 
 
 @functools.partial(jax.tree_util.register_dataclass,
