@@ -5,14 +5,13 @@ beside the exact form; the clamp; the argument's checks; and that the bounded st
 """
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from gdn import ops
 from gdn.ops import intra_chunk
-from test_ops import assert_close, bfloat16_inputs, make_inputs, oracle, rel, run
+from test_ops import assert_close, bfloat16_inputs, kda_grad_shapes, make_inputs, oracle, rel, run
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -97,26 +96,14 @@ def test_clamps_g_below_the_bound():
   assert rel(got[2]["g"][~below], want[2]["g"][~below]) < 2e-5
 
 
-def test_no_pairwise_decays_in_the_bounded_stage():
-  """The exact form builds [.., 16, 16, K] pairwise decays; the bounded one has no array with a 16 x 16 x K tail,
-  forward or backward."""
+def test_no_pairwise_decays_in_the_bounded_stage(monkeypatch):
+  """The exact form by pairwise decays builds [.., 16, 16, K] of them; the bounded one has no array with a
+  16 x 16 x K tail, forward or backward."""
+  monkeypatch.setattr(intra_chunk, "CHANNEL_PAIR_DYADIC", False)
   x = _bounded_inputs(6, 1, 64, 1, 1, 128, 8)
 
   def tails(bound):
-    def loss(q, k, g):
-      o, _ = ops.gated_delta_rule(q, k, jnp.asarray(x["v"]), g, jnp.asarray(x["beta"]), method="chunk",
-                                  g_lower_bound=bound)
-      return o.sum()
-    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*(jnp.asarray(x[n]) for n in ("q", "k", "g")))
-    shapes = set()
-
-    def walk(jp):
-      for eqn in jp.eqns:
-        shapes.update(tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-          walk(sub)
-    walk(jaxpr.jaxpr)
-    return {s for s in shapes if s[-3:] == (16, 16, 128)}
+    return {s for s in kda_grad_shapes(x, g_lower_bound=bound) if s[-3:] == (16, 16, 128)}
 
   assert tails(None)
   assert not tails(LB)
@@ -193,12 +180,15 @@ def test_config_refuses_a_bad_gate_lower_bound(kw, match):
 
 
 def test_accuracy_table_script():
-  """`experiments.bounded_gate_accuracy`: every row of its table, within the oracle tolerances above."""
-  from experiments import bounded_gate_accuracy
+  """`experiments.kda_local_accuracy`: every row of its table, within the oracle tolerances above; the exact
+  forms (pairwise and dyadic) at float32 rounding on every float32 row, strong decays included."""
+  from experiments import kda_local_accuracy
 
-  rows = bounded_gate_accuracy.main([])
-  assert len(rows) == 9
+  rows = kda_local_accuracy.main([])
+  assert len(rows) == 15
   for r in rows:
     tol = 2e-2 if r["inputs"].startswith("bfloat16") else 2e-5
     assert all(r[c] < tol for c in ("o", "dq", "dk", "dv", "dbeta", "dinitial_state")), r
-    assert r["dg"] < (1e-3 if "-5 everywhere" in r["inputs"] else tol), r
+    assert r["dg"] < (1e-3 if "-5 everywhere" in r["inputs"] and "bound" in r["form"] else tol), r
+    if r["form"].startswith("exact") and not r["inputs"].startswith("bfloat16"):
+      assert max(r[c] for c in r if c.startswith("d") or c == "o") < 1e-6, r

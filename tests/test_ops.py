@@ -74,6 +74,26 @@ def run(method, x, *, chunk_size=16, scale=None, seed=1, local_groups=None, swit
                                                                    for n, g in grads.items()}
 
 
+def kda_grad_shapes(x, **op_kw):
+  """Every array shape in the traced gradient of a per-key-channel op (`method="chunk"`) with respect to q, k
+  and g, nested programs included: what the chunk-local stage builds, forward and backward."""
+  import jax.extend
+
+  def loss(q, k, g):
+    o, _ = ops.gated_delta_rule(q, k, jnp.asarray(x["v"]), g, jnp.asarray(x["beta"]), method="chunk", **op_kw)
+    return o.sum()
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*(jnp.asarray(x[n]) for n in ("q", "k", "g")))
+  shapes = set()
+
+  def walk(jp):
+    for eqn in jp.eqns:
+      shapes.update(tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+  walk(jaxpr.jaxpr)
+  return shapes
+
+
 def bfloat16_inputs(x):
   """(x with bfloat16 q, k, v, g, beta, the float32 values of those inputs for the oracle); the initial state
   stays float32, as the contract has it."""

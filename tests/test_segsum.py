@@ -160,10 +160,11 @@ def test_channel_pair_remat_keeps_no_sub_chunk_decays(monkeypatch):
   """`intra_chunk.CHANNEL_PAIR_REMAT`: with a per-key-channel decay the chunk-local stage's VJP no longer keeps
   the pair stage's float32 sub-chunk tensors (the diagonal blocks' [L, M, c, c, K] decays, the off-diagonal
   [L, n, m, c, K] factors), keeps fewer bytes, and gives the same outputs and input cotangents to float32
-  rounding (packed segments)."""
+  rounding (packed segments). The pairwise-decay form (`CHANNEL_PAIR_DYADIC` off), whose tensors these are."""
   from gdn.bench.residuals import saved_residuals
   from test_local_vjp import local_inputs
 
+  monkeypatch.setattr(intra_chunk, "CHANNEL_PAIR_DYADIC", False)
   L, C, K, V = 2, 32, 8, 8
   M, c = C // intra_chunk.SUB_CHUNK, intra_chunk.SUB_CHUNK
   arrays, masks = local_inputs(5, L, C, K, V, jnp.bfloat16, segments=True)

@@ -103,6 +103,12 @@ CHANNEL_PAIR_REMAT = True
 # 0.72x forward+backward at (4, 2048, 16, 128) on an H100 (docs/benchmarks.md, "KDA with a bounded gate"),
 # within the bfloat16 tolerance of the float64 oracle (`tests/test_g_lower_bound.py`).
 BOUNDED_LOWP_DOTS = True
+# The exact per-key-channel stage (no `g_lower_bound`) for a chunk of 2^n positions: True, `_pair_channel_dyadic`
+# (every pair's decay factored at the one dyadic boundary between its two steps: log2(C) batched matmuls, no
+# [c, c, K] pairwise decays); False, `_pair_channel` (pairwise decays inside 16-step sub-chunks). Both exact for
+# any g. Read at trace time. On: on CPU it takes the KDA op to 0.42x its time and 0.43x XLA's memory estimate
+# (docs/benchmarks.md, "KDA's exact form by dyadic anchors"); not yet timed on a GPU.
+CHANNEL_PAIR_DYADIC = True
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -284,6 +290,50 @@ def _pair_channel(q, k, g, dot):
   return A_o + blockdiag(A_d), P_o + blockdiag(P_d)
 
 
+def dyadic_ok(C: int) -> bool:
+  """Whether a chunk of C positions halves down to single steps, as `_pair_channel_dyadic` needs."""
+  return C >= 2 and C & (C - 1) == 0
+
+
+def _pair_channel_dyadic(q, k, g, dot):
+  """A (strictly lower: zero on and above the diagonal, which `_local` never reads) and P (lower, diagonal
+  included) for one decay per key channel, exact for any g <= 0, as batched matmuls: no [c, c, K] pairwise decays.
+  C must be a power of two (`dyadic_ok`).
+
+  Every pair t > i is split by exactly one dyadic boundary a: the level s (1, 2, .., C/2) whose blocks of 2s
+  steps hold t in their upper half [a, a + s) and i in their lower half [a - s, a). Anchored there, its decay
+  factors as e^{gamma_t - gamma_i} = e^{sum over (a, t]} e^{sum over (i, a]}, both exponents <= 0 (no overflow,
+  whatever the gate), each a sum inside one half block (no cancellation against a chunk-long cumulative sum).
+  Each level is one batched matmul of [C/2s, s, K] by [C/2s, K, s]: log2(C) levels whose operands hold C/2
+  positions each, against the [C/16, 16, 16, K] pairwise decays of `_pair_channel`'s diagonal blocks."""
+  C, K = k.shape[-2:]
+  mode = _sum_mode(True)
+  lead = k.shape[:-2]
+  W_A = jnp.zeros(lead + (C, 1, 1), jnp.promote_types(k.dtype, jnp.float32))
+  W_P = dot("...tk,...tk->...t", q, k)[..., None, None].astype(W_A.dtype)  # the diagonal: decay 1
+  s = 1
+  while s < C:
+    nb = C // (2 * s)
+    q5, k5, g5 = (x.reshape(lead + (nb, 2, s, K)) for x in (q, k, g))
+    gu, gl = g5[..., 1, :, :], g5[..., 0, :, :]  # [.., nb, s, K]: the upper half (rows), the lower (columns)
+    ax = gu.ndim - 2
+    first = jnp.arange(s)[:, None] == 0
+    up = _incl_sums(jnp.where(first, 0.0, gu), ax, mode=mode)  # sum over (a, t]
+    down = _rev_excl_sums(gl, ax, mode=mode) + gu[..., :1, :]  # sum over (i, a]
+    e_up = jnp.exp(up)
+    k_rows, q_rows, cols = k5[..., 1, :, :] * e_up, q5[..., 1, :, :] * e_up, k5[..., 0, :, :] * jnp.exp(down)
+    blocks = []
+    for W, rows in ((W_A, k_rows), (W_P, q_rows)):
+      B = dot("...btk,...bik->...bti", rows, cols).astype(W.dtype)  # [.., nb, s, s]
+      W = W.reshape(lead + (nb, 2, s, s))
+      top = jnp.concatenate([W[..., 0, :, :], jnp.zeros_like(B)], axis=-1)
+      bottom = jnp.concatenate([B, W[..., 1, :, :]], axis=-1)
+      blocks.append(jnp.concatenate([top, bottom], axis=-2))  # [.., nb, 2s, 2s]
+    W_A, W_P = blocks
+    s *= 2
+  return W_A.reshape(lead + (C, C)), W_P.reshape(lead + (C, C))
+
+
 # The most negative log-decay a step that `local`'s bounded factorisation (`g_lower_bound`) accepts: a
 # sub-chunk of SUB_CHUNK steps then spans at least 16 x -5 = -80, and e^80 = 5.5e34 stays inside float32's range
 # (and bfloat16's) with a margin of about 6,000 for the products with the keys.
@@ -386,7 +436,8 @@ def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str, g_lowe
       if g_lower_bound is not None and bounded_ok(C):
         A, P = _pair_channel_bounded(q, k, g, dot)
       else:
-        pair = functools.partial(_pair_channel, dot=dot)
+        exact = _pair_channel_dyadic if CHANNEL_PAIR_DYADIC and dyadic_ok(C) else _pair_channel
+        pair = functools.partial(exact, dot=dot)
         A, P = (jax.checkpoint(pair) if CHANNEL_PAIR_REMAT else pair)(q, k, g)
       total = gam[..., -1, :]
     e_gam = jnp.exp(gam)

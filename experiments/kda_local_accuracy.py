@@ -1,11 +1,13 @@
-"""How close `gated_delta_rule(..., g_lower_bound=LB)` (KDA's bounded gate: the chunk-local pair products as matmuls
-through 16-step sub-chunks) comes to the float64 recurrence, beside the exact form, per output and gradient.
+"""How close the per-key-channel (KDA) chunk-local forms come to the float64 recurrence, per output and gradient:
+the exact form by pairwise decays inside 16-step sub-chunks (`intra_chunk.CHANNEL_PAIR_DYADIC` off), the exact
+form by dyadic anchors (on), and `gated_delta_rule(..., g_lower_bound=LB)` (KDA's bounded gate: matmuls through
+16-step sub-chunks, their dots' operands in float32 or, `intra_chunk.BOUNDED_LOWP_DOTS`, in bfloat16).
 
-  python -m experiments.bounded_gate_accuracy            # CPU, under a minute
+  python -m experiments.kda_local_accuracy            # CPU, about a minute
 
-Rows: float32 inputs with the log-decays g all at the bound (-5: every sub-chunk spans -80, the largest factors),
-all at -1, and drawn (a third at the bound, a third within 1e-3 of 0, the rest uniform in [-5, 0]); bfloat16
-inputs (the drawn g) with the dots' operands in float32 and in bfloat16 (`intra_chunk.BOUNDED_LOWP_DOTS`).
+Rows: float32 inputs with the log-decays g all at the bound (-5: every sub-chunk spans -80, the bounded form's
+largest factors), all at -1, drawn (a third at the bound, a third within 1e-3 of 0, the rest uniform in [-5, 0]),
+and drawn ten times as strong (in [-50, 0], beyond any bound: the exact forms only); bfloat16 inputs (the drawn g).
 Columns: relative error (Frobenius norm of the difference over the reference's) of the output o and of each
 gradient of <o, do> + <S_T, dS> (random cotangents), `method="chunk"`, chunk 64, (B, T, H, K, V) = (2, 80, 2, 16, 16)
 with per-head beta and an initial state.
@@ -30,9 +32,11 @@ def make(g_case: str, shape=(2, 80, 2, 16, 16), seed=0) -> dict:
   k = rng.normal(size=(B, T, H, K))
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
   lb = intra_chunk.MIN_G_LOWER_BOUND
-  if g_case == "drawn":
+  if g_case in ("drawn", "strong"):
+    low = lb if g_case == "drawn" else 10 * lb
     pick = rng.integers(0, 3, (B, T, H, K))
-    g = np.where(pick == 0, lb, np.where(pick == 1, -rng.uniform(0, 1e-3, pick.shape), rng.uniform(lb, 0, pick.shape)))
+    g = np.where(pick == 0, low, np.where(pick == 1, -rng.uniform(0, 1e-3, pick.shape),
+                                          rng.uniform(low, 0, pick.shape)))
   else:
     g = np.full((B, T, H, K), float(g_case))
   return dict(q=rng.normal(size=(B, T, H, K)), k=k, v=rng.normal(size=(B, T, H, V)), g=g,
@@ -58,37 +62,50 @@ def rel(a, b) -> float:
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
+# (label, g_lower_bound, module switches) of each form.
+PAIRWISE = ("exact, pairwise decays", None, dict(CHANNEL_PAIR_DYADIC=False))
+DYADIC = ("exact, dyadic anchors", None, dict(CHANNEL_PAIR_DYADIC=True))
+BOUNDED = ("g_lower_bound=-5", intra_chunk.MIN_G_LOWER_BOUND, dict(BOUNDED_LOWP_DOTS=False))
+BOUNDED_LOWP = ("g_lower_bound=-5, bfloat16 dots", intra_chunk.MIN_G_LOWER_BOUND, dict(BOUNDED_LOWP_DOTS=True))
+
+
+def run_form(x: dict, dtype, form) -> dict:
+  _, bound, switches = form
+  before = {n: getattr(intra_chunk, n) for n in switches}
+  try:
+    for n, v in switches.items():
+      setattr(intra_chunk, n, v)
+    return forward_and_grads(x, dtype, "chunk", bound)
+  finally:
+    for n, v in before.items():
+      setattr(intra_chunk, n, v)
+
+
 def main(argv=None) -> list:
   argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
-  lb = intra_chunk.MIN_G_LOWER_BOUND
-  rows = [("float32, g = -5 everywhere", "-5", jnp.float32, False),
-          ("float32, g = -1 everywhere", "-1", jnp.float32, False),
-          ("float32, g drawn in [-5, 0]", "drawn", jnp.float32, False),
-          ("bfloat16, g drawn, float32 dots", "drawn", jnp.bfloat16, False),
-          ("bfloat16, g drawn, bfloat16 dots", "drawn", jnp.bfloat16, True)]
+  exact, every = (PAIRWISE, DYADIC), (PAIRWISE, DYADIC, BOUNDED)
+  rows = [("float32, g = -5 everywhere", "-5", jnp.float32, every),
+          ("float32, g = -1 everywhere", "-1", jnp.float32, every),
+          ("float32, g drawn in [-5, 0]", "drawn", jnp.float32, every),
+          ("float32, g drawn in [-50, 0]", "strong", jnp.float32, exact),
+          ("bfloat16, g drawn in [-5, 0]", "drawn", jnp.bfloat16, every + (BOUNDED_LOWP,))]
   cols = ["o"] + [f"d{n}" for n in NAMES]
   print(f"# jax {jax.__version__}, {jax.devices()[0].device_kind}; relative error against the float64 recurrence")
   print("| inputs | form | " + " | ".join(cols) + " |")
   print("|---|---|" + "---:|" * len(cols))
-  out, before = [], intra_chunk.BOUNDED_LOWP_DOTS
-  for label, g_case, dtype, lowp in rows:
+  out = []
+  for label, g_case, dtype, forms in rows:
     x = make(g_case)
     if dtype == jnp.bfloat16:  # the oracle sees the values the bfloat16 inputs hold
       x = {n: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) if n in ("q", "k", "v", "g", "beta") else a
            for n, a in x.items()}
     with jax.enable_x64(True):
       want = forward_and_grads(x, jnp.float64, "recurrent", None)
-    for form, bound in (("exact", None), (f"g_lower_bound={lb:g}", lb)):
-      if lowp and bound is None:
-        continue
-      intra_chunk.BOUNDED_LOWP_DOTS = lowp
-      try:
-        got = forward_and_grads(x, dtype, "chunk", bound)
-      finally:
-        intra_chunk.BOUNDED_LOWP_DOTS = before
+    for form in forms:
+      got = run_form(x, dtype, form)
       errs = {c: rel(got[c], want[c]) for c in cols}
-      out.append(dict(inputs=label, form=form, **errs))
-      print(f"| {label} | {form} | " + " | ".join(f"{errs[c]:.1e}" for c in cols) + " |", flush=True)
+      out.append(dict(inputs=label, form=form[0], **errs))
+      print(f"| {label} | {form[0]} | " + " | ".join(f"{errs[c]:.1e}" for c in cols) + " |", flush=True)
   return out
 
 

@@ -1,0 +1,93 @@
+"""The exact per-key-channel (KDA) chunk-local stage by dyadic anchors (`intra_chunk._pair_channel_dyadic`,
+`intra_chunk.CHANNEL_PAIR_DYADIC`): its pair products against the pairwise-decay form in float64 at every power-of-two
+chunk, under decays far stronger than any bound; the op against the float64 recurrence through every chunked method;
+and that it builds no [c, c, K] pairwise decays.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdn.ops import intra_chunk
+from test_ops import assert_close, bfloat16_inputs, kda_grad_shapes, make_inputs, oracle, run
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+ON = (("CHANNEL_PAIR_DYADIC", True),)
+
+
+def _strong(x, seed, low=-30.0):
+  """g drawn with a third of its entries in [low, 0] (decays down to e^-30 a step), a third within 1e-3 of 0."""
+  rng = np.random.default_rng(seed)
+  shape = x["g"].shape
+  pick = rng.integers(0, 3, shape)
+  g = np.where(pick == 0, rng.uniform(low, 0, shape), np.where(pick == 1, -rng.uniform(0, 1e-3, shape), x["g"]))
+  return {**x, "g": g.astype(x["g"].dtype)}
+
+
+@pytest.mark.parametrize("C", [2, 8, 32, 64])
+def test_pair_products_match_the_pairwise_form(C):
+  """A (strictly lower) and P (lower, diagonal included) equal `_pair_channel`'s to float64 rounding, and are zero
+  elsewhere; log-decays down to -60 a step (a 64-step chunk spans thousands: no e^{+x} anywhere)."""
+  rng = np.random.default_rng(C)
+  L, K = 3, 8
+  with jax.enable_x64(True):
+    q, k = (jnp.asarray(rng.normal(size=(2, L, C, K))) for _ in range(2))
+    g = -jnp.asarray(rng.uniform(0, 60, (2, L, C, K)) * (rng.uniform(size=(2, L, C, K)) < 0.5))
+    dot = intra_chunk._dot(jax.lax.Precision.HIGHEST)
+    A0, P0 = intra_chunk._pair_channel(q, k, g, dot)
+    A1, P1 = intra_chunk._pair_channel_dyadic(q, k, g, dot)
+    strict, incl = np.tril(np.ones((C, C), bool), -1), np.tril(np.ones((C, C), bool))
+    np.testing.assert_allclose(np.where(strict, A1, 0), np.where(strict, A0, 0), atol=1e-12)
+    np.testing.assert_allclose(np.where(incl, P1, 0), np.where(incl, P0, 0), atol=1e-12)
+    assert np.all(np.asarray(A1)[..., ~strict] == 0) and np.all(np.asarray(P1)[..., ~incl] == 0)
+
+
+@pytest.mark.parametrize("method, beta_kind", [("chunk", "head"), ("chunk", "channel"), ("chunk", "none"),
+                                               ("associative", "head"), ("associative", "none")])
+@pytest.mark.parametrize("shape", [(2, 70, 1, 2, 8, 5, 64), (1, 40, 2, 2, 9, 4, 16), (1, 21, 1, 1, 6, 3, 2)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_matches_float64_oracle(method, beta_kind, shape):
+  """C 64, 16 and 2; T not a multiple of C; grouped value heads, segments, an initial state; strong decays."""
+  B, T, H, HV, K, V, C = shape
+  x = _strong(make_inputs(1, B, T, H, HV, K, V, "channel", beta_kind, segments=True, beta_max=1.0), 11)
+  assert_close(run(method, x, chunk_size=C, switches=ON), oracle(x), 2e-5, f"{method} {beta_kind} {shape}")
+
+
+def test_pallas_method_and_local_groups():
+  x = _strong(make_inputs(3, 1, 70, 1, 2, 8, 8, "channel", "head"), 12)
+  want = oracle(x)
+  assert_close(run("pallas", x, chunk_size=32, switches=ON), want, 2e-5, "pallas")
+  assert_close(run("chunk", x, chunk_size=16, local_groups=3, switches=ON), want, 2e-5, "local_groups")
+
+
+def test_the_pairwise_form_stays_exact(monkeypatch):
+  """With the switch off the stage takes the pairwise decays, as before."""
+  monkeypatch.setattr(intra_chunk, "CHANNEL_PAIR_DYADIC", False)
+  x = _strong(make_inputs(4, 1, 70, 1, 1, 8, 4, "channel", "head"), 13)
+  assert_close(run("chunk", x, chunk_size=64, switches=(("CHANNEL_PAIR_DYADIC", False),)), oracle(x), 2e-5)
+
+
+def test_a_chunk_of_no_power_of_two_takes_the_pairwise_form():
+  assert [intra_chunk.dyadic_ok(C) for C in (1, 2, 24, 48, 64)] == [False, True, False, False, True]
+  x = _strong(make_inputs(5, 1, 48, 1, 1, 8, 4, "channel", "head"), 14)
+  assert_close(run("chunk", x, chunk_size=24, switches=ON), oracle(x), 2e-5)
+
+
+def test_bfloat16_inputs():
+  x_bf, x_ref = bfloat16_inputs(make_inputs(6, 2, 80, 2, 2, 16, 16, "channel", "head", beta_max=1.0))
+  assert_close(run("chunk", x_bf, chunk_size=64, switches=ON), oracle(x_ref), 2e-2)
+
+
+def test_no_pairwise_decays(monkeypatch):
+  """No array with a [c, c, K] tail (c >= 4; the levels' [.., 2, s, K] halves have s = 2 once), forward or
+  backward, where the pairwise form has [.., 16, 16, K]."""
+  x = make_inputs(7, 1, 64, 1, 1, 128, 8, "channel", "head")
+
+  def tails(dyadic):
+    monkeypatch.setattr(intra_chunk, "CHANNEL_PAIR_DYADIC", dyadic)
+    return {s for s in kda_grad_shapes(x) if len(s) >= 3 and s[-1] == 128 and s[-2] == s[-3] >= 4}
+
+  assert (16, 16, 128) in {s[-3:] for s in tails(False)}
+  assert not tails(True)
