@@ -91,3 +91,15 @@ def test_no_pairwise_decays(monkeypatch):
 
   assert (16, 16, 128) in {s[-3:] for s in tails(False)}
   assert not tails(True)
+
+
+@pytest.mark.parametrize("case", ["total_forgetting", "mixed"])
+def test_total_forgetting(case):
+  """The contract's g down to -1e4 with a per-key-channel decay: everywhere, and on a tenth of the entries beside
+  weak decays (-0.01), where differences of chunk-long sums would lose every digit."""
+  x = make_inputs(8, 1, 70, 1, 2, 8, 8, "channel", "head", beta_max=1.0)
+  rng = np.random.default_rng(1)
+  g = np.full_like(x["g"], -1e4) if case == "total_forgetting" else np.where(
+      rng.uniform(size=x["g"].shape) < 0.1, -1e4, -0.01)
+  x["g"] = g.astype(np.float32)
+  assert_close(run("chunk", x, chunk_size=32, switches=ON), oracle(x), 1e-5, case)
