@@ -106,7 +106,7 @@ BOUNDED_LOWP_DOTS = True
 # The exact per-key-channel stage (no `g_lower_bound`) for a chunk of 2^n positions: True, `_pair_channel_dyadic`
 # (every pair's decay factored at the one dyadic boundary between its two steps: log2(C) batched matmuls, no
 # [c, c, K] pairwise decays); False, `_pair_channel` (pairwise decays inside 16-step sub-chunks). Both exact for
-# any g. Read at trace time. On: on CPU it takes the KDA op to 0.42x its time and 0.43x XLA's memory estimate
+# any g. Read at trace time. On: on CPU it takes the KDA op to 0.43x its time and XLA's memory estimate
 # (docs/benchmarks.md, "KDA's exact form by dyadic anchors"); not yet timed on a GPU.
 CHANNEL_PAIR_DYADIC = True
 
