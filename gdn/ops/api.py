@@ -58,8 +58,9 @@ def gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None, initial_state=No
     g_lower_bound: None, or a float in [-5, 0): the op computes the rule with max(g, g_lower_bound) (exactly
       the rule where g never goes below it, as a gate that bounds its output, fla's KDA `safe_gate`, keeps it),
       and with a per-key-channel g the chunked methods factor each chunk's pairwise decays through its
-      16-step sub-chunks as matmuls (`intra_chunk._pair_channel_bounded`) instead of building them one pair
-      and key channel at a time: 16 x 5 = 80 keeps e^80 inside float32's range, hence the -5.
+      16-step sub-chunks as matmuls (`intra_chunk._pair_channel_bounded`: one anchor a sub-chunk, where the
+      exact form, `_pair_channel_dyadic`, needs log2(chunk_size) levels): 16 x 5 = 80 keeps e^80 inside
+      float32's range, hence the -5.
   Returns:
     o [B, T, HV, V] in v's dtype, and the final state [B, HV, K, V] in float32.
   """
