@@ -106,8 +106,9 @@ BOUNDED_LOWP_DOTS = True
 # The exact per-key-channel stage (no `g_lower_bound`) for a chunk of 2^n positions: True, `_pair_channel_dyadic`
 # (every pair's decay factored at the one dyadic boundary between its two steps: log2(C) batched matmuls, no
 # [c, c, K] pairwise decays); False, `_pair_channel` (pairwise decays inside 16-step sub-chunks). Both exact for
-# any g. Read at trace time. On: on CPU it takes the KDA op to 0.43x its time and XLA's memory estimate
-# (docs/benchmarks.md, "KDA's exact form by dyadic anchors"); not yet timed on a GPU.
+# any g. Read at trace time. On: on CPU it takes the KDA op to 0.43x its time and XLA's memory estimate; on an
+# H200 to 0.89x (forward) and 0.62x (forward+backward), and the KDA 3:1 model's step to 0.87x (docs/benchmarks.md,
+# "KDA's exact form by dyadic anchors").
 CHANNEL_PAIR_DYADIC = True
 
 
@@ -316,12 +317,17 @@ def _pair_channel_dyadic(q, k, g, dot):
     nb = C // (2 * s)
     q5, k5, g5 = (x.reshape(lead + (nb, 2, s, K)) for x in (q, k, g))
     gu, gl = g5[..., 1, :, :], g5[..., 0, :, :]  # [.., nb, s, K]: the upper half (rows), the lower (columns)
-    ax = gu.ndim - 2
-    first = jnp.arange(s)[:, None] == 0
-    up = _incl_sums(jnp.where(first, 0.0, gu), ax, mode=mode)  # sum over (a, t]
-    down = _rev_excl_sums(gl, ax, mode=mode) + gu[..., :1, :]  # sum over (i, a]
-    e_up = jnp.exp(up)
-    k_rows, q_rows, cols = k5[..., 1, :, :] * e_up, q5[..., 1, :, :] * e_up, k5[..., 0, :, :] * jnp.exp(down)
+    k_rows, q_rows = k5[..., 1, :, :], q5[..., 1, :, :]
+    if s == 1:  # the pair (a - 1, a): sum over (a, t] is empty and over (i, a] is g_a alone
+      down = gu
+    else:  # (at s = 1 these sums would be cumulative sums of constant zeros, which XLA's GPU compiler constant-folds
+      # element by element: seconds for each one, minutes for a model)
+      ax = gu.ndim - 2
+      first = jnp.arange(s)[:, None] == 0
+      e_up = jnp.exp(_incl_sums(jnp.where(first, 0.0, gu), ax, mode=mode))  # sum over (a, t]
+      k_rows, q_rows = k_rows * e_up, q_rows * e_up
+      down = _rev_excl_sums(gl, ax, mode=mode) + gu[..., :1, :]  # sum over (i, a]
+    cols = k5[..., 0, :, :] * jnp.exp(down)
     blocks = []
     for W, rows in ((W_A, k_rows), (W_P, q_rows)):
       B = dot("...btk,...bik->...bti", rows, cols).astype(W.dtype)  # [.., nb, s, s]
