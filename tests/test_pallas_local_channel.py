@@ -48,9 +48,8 @@ def _assert_fields(got, want, tol):
     assert rel_err(a, b) <= tol, (n, rel_err(a, b))
 
 
-# (L, C, K, V, strong, block_k): four sub-chunks with two steps of 16 keys; one step of 32 keys of 64 (two steps)
-# with total forgettings; C, K, V padded (8, 5, 19 -> 16, 16, 32: one sub-chunk); two sub-chunks; one sub-chunk
-# of 16 with two key steps.
+# (L, C, K, V, strong, block_k): six dyadic levels with two steps of 16 keys; two steps of 32 keys with total
+# forgettings; C, K, V padded (8, 5, 19 -> 16, 16, 32: four levels); five levels; four levels with two key steps.
 CASES = [(2, 64, 32, 48, False, 16), (2, 64, 64, 16, True, 32), (3, 8, 5, 19, False, None),
          (2, 32, 16, 64, True, None), (2, 16, 32, 32, True, 16)]
 
@@ -150,8 +149,9 @@ def test_forward_runs_no_xla_stage(monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kernel_lowers_to_triton(channel_on, dtype):
-  """The compiled path lowers for CUDA (Triton IR from the kernel body: 3-D cumulative sums and reductions,
-  tiled sub-chunk blocks, 16-key dots) at C = 64, K = V = 128, float32 (3xTF32 dots) and bfloat16."""
+  """The compiled path lowers for CUDA (Triton IR from the kernel body: a loop over key blocks with dynamic
+  slices, exact float32 span-sum dots, 16-key factor dots, masked [C, C] accumulators) at C = 64, K = V = 128,
+  float32 and bfloat16."""
   args = chunk_inputs(29, 2, 64, 128, 128, jnp.dtype(dtype), decay="channel")
   prec = HIGHEST if dtype == "float32" else DEFAULT
   f = jax.jit(lambda *a: pallas_local.local(*a, None, beta_kind="head", prec=prec, interpret=False))

@@ -99,11 +99,12 @@ SPLIT_NUM_WARPS = 8
 # Per-key-channel decay (KDA, g [L, C, K]) through `_channel_kernel`: False (today) sends it to
 # `intra_chunk.local`, True to the kernel, in forward-only calls (a differentiated call runs XLA's stage and its
 # VJP, as for a per-head decay; the backward kernel takes a per-head decay only). Read at the call. Off: on one
-# H200 the kernel took 1.55x XLA's stage forward at (4, 2048, 16, 128) (`experiments/bench_local.py --decay
-# channel`; docs/benchmarks.md). CHANNEL_BLOCK_K, its key channels per step (which also
-# size the [SUB, SUB, CHANNEL_BLOCK_K] float32 arrays of its diagonal blocks), and CHANNEL_NUM_WARPS: offline for
-# sm_90 (Triton 3.9, ptxas 13.4, bfloat16, C = 64, K = V = 128) 255 registers a thread and no spill at 16 keys
-# and 8 warps; 76 bytes of spill stores at 32 and 8 (float32 callers spill: 1644 bytes at 16 and 8).
+# H200 its first version (pairwise decays in 16-step sub-chunks) took 1.55x XLA's stage forward at (4, 2048, 16,
+# 128) (`experiments/bench_local.py --decay channel`; docs/benchmarks.md); the kernel is now built on dyadic
+# levels (2026-12-05) and not yet timed on a card. CHANNEL_BLOCK_K, its key channels per step of its loop over
+# key blocks, and CHANNEL_NUM_WARPS: offline for sm_90 (Triton 3.9, ptxas 13.4, bfloat16, C = 64, K = V = 128)
+# 235 registers a thread and no spill at 16 keys and 8 warps; 2,360 bytes of spill stores at 32 and 8 (float32
+# callers spill: 1,648 bytes at 16 and 8).
 FUSED_LOCAL_CHANNEL = False
 CHANNEL_BLOCK_K = 16
 CHANNEL_NUM_WARPS = 8
@@ -153,14 +154,6 @@ def _block_diag(stacked):
   M = Cp // SUB
   iota = lambda axis: jax.lax.broadcasted_iota(jnp.int32, (Cp, M, SUB), axis)
   return jnp.where(iota(0) // SUB == iota(1), stacked[:, None, :], 0.0).reshape(Cp, Cp)
-
-
-def _in_block(acc, x, n):
-  """acc [Cp, w] with its rows of sub-chunk n replaced by x [SUB, w] (x tiled over the sub-chunks, then picked:
-  values are never sliced or concatenated in Triton)."""
-  Cp, w = acc.shape
-  tiled = jnp.broadcast_to(x[None], (Cp // SUB, SUB, w)).reshape(Cp, w)
-  return jnp.where(jax.lax.broadcasted_iota(jnp.int32, (Cp, w), 0) // SUB == n, tiled, acc)
 
 
 def _invert_unit_lower(bA, prec):
@@ -236,62 +229,64 @@ def _write_wu(A, beta, e_gam, k_ref, v_ref, w_ref, u_ref, cfg: Config):
     u_ref[:, vs] = _dot(T, beta[:, None] * v_ref[:, vs].astype(f32), False, cfg.prec).astype(u_ref.dtype)
 
 
+def _level_masks(Cp: int, s: int):
+  """The dyadic level of half blocks of s steps (`intra_chunk._pair_channel_dyadic`), as [Cp, Cp] masks: span
+  [t, j], the steps j whose log-decays t's factor sums (over (a, t] for t in an upper half, whose boundary a is
+  that half's first step; over (t, a] for t in a lower half, a the first step of the upper half after it); pair
+  [t, i], the pairs anchored at this level (t in an upper half, i in the lower half of the same block)."""
+  iota = lambda axis: jax.lax.broadcasted_iota(jnp.int32, (Cp, Cp), axis)
+  t, j = iota(0), iota(1)
+  upper_t, upper_j = (t // s) % 2 == 1, (j // s) % 2 == 1
+  a = (t // (2 * s)) * (2 * s) + s
+  span = jnp.where(upper_t, (j > a) & (j <= t), (j > t) & (j <= a))
+  pair = (t // (2 * s) == j // (2 * s)) & upper_t & ~upper_j
+  return span, pair
+
+
 def _channel_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref, w_ref, u_ref, *, cfg: Config):
-  """`_kernel` for a per-key-channel decay g [Cp, Kp] (KDA), with `intra_chunk._pair_channel`'s factoring of
-  the pairwise decay e^{gamma_t - gamma_i} (a [Cp, Cp, Kp] tensor that is never formed), per block of BK keys:
+  """`_kernel` for a per-key-channel decay g [Cp, Kp] (KDA), by `intra_chunk._pair_channel_dyadic`'s dyadic
+  anchors, every level as dense [Cp, Cp] work (no [Cp, Cp, Kp] tensor, no sub-chunk loop), per block of BK keys:
 
-    diagonal SUB x SUB blocks: the exact D_tak = sum_{a < j <= t} g_jk inside sub-chunk n, a masked cumulative
-      sum over a [SUB, SUB, BK] array, and A_ta = sum_k k_tk k_ak e^{D_tak} (P with q_t) as its reduction;
-    a block (n, m), n > m: through the last position r of sub-chunk m, the dots
-      (k_t e^{gamma_t - gamma_r}) (k_i e^{gamma_r - gamma_i})^T over the rows t after sub-chunk m and the columns
-      i in it, both exponents <= 0, so no e^{+x} overflows whatever the decays (g = -1e4 included).
+    for each level s = 1, 2, .., Cp/2: the exponents E = span_s @ g (a 0/1 mask times the log-decays, an exact
+      float32 dot: each entry a sum over one span inside a half block, <= 0, so no e^{+x} and no cancellation,
+      whatever the decays), the factors k e^E and q e^E, and A += pair_s * (k e^E)(k e^E)^T, P likewise with
+      q e^E on the left: every pair t > i is anchored at exactly one level, where its decay factors as
+      e^{E_t} e^{E_i}.
 
-  Every exponent is a sum of the log-decays over its span: gamma_t - gamma_r a cumulative sum of g masked to the
-  rows after r, gamma_r - gamma_i (R_i) the last row of D, to_end_i = R_i + the totals of the later sub-chunks.
-  The off-diagonal dots' operands (the inputs times their float32 decays) are rounded to the inputs' dtype, as
-  the per-head kernel's k k^T and q k^T read the inputs: bfloat16 for bfloat16 callers, which took the spills
-  offline from 156 to 76 bytes at 32 keys and 8 warps and from 36 to none at 16 (XLA's stage multiplies float32
-  operands at TF32; in the interpreter P moved from 2.3e-3 to 3.4e-3 relative to float64 where the bfloat16
-  output rounding alone gives 2.3e-3); accumulation is float32."""
+  The diagonal of P is q_t . k_t (decay 1). gamma is a cumulative sum, the sums to the chunk's end one more exact
+  dot with the mask [j > t]. The factors' dots take the inputs' dtype as operands (bfloat16 for bfloat16
+  callers, as the per-head kernel's k k^T and q k^T read the inputs), accumulated in float32."""
   Cp, Kp = k_ref.shape
-  BK, M = cfg.block_k, Cp // SUB
+  BK = cfg.block_k
   f32 = jnp.float32
-  iota = lambda shape, axis: jax.lax.broadcasted_iota(jnp.int32, shape, axis)
-  row, col = iota((Cp, Cp), 0), iota((Cp, Cp), 1)
-  blk = iota((Cp, BK), 0) // SUB  # a row's sub-chunk
-  t3, a3 = iota((SUB, SUB, BK), 0), iota((SUB, SUB, BK), 1)
-  A = P = jnp.zeros((Cp, Cp), f32)
-  A_d = P_d = zero = jnp.zeros((Cp, SUB), f32)  # the diagonal blocks, stacked (`_block_diag`)
-  for j in range(Kp // BK):
-    ks = pl.ds(j * BK, BK)
-    R = to_end = jnp.zeros((Cp, BK), f32)
-    later = jnp.zeros((BK,), f32)  # sum of the log-decays of the sub-chunks after n
-    # The sub-chunks' rows come from the refs (static slices), and the whole block's after them: fewer arrays
-    # live across this loop (offline for sm_90, bfloat16, 4 warps: 368 bytes of spill stores, not 692).
-    for n in reversed(range(M)):
-      rs = pl.ds(n * SUB, SUB)
-      qn, kn, gn = (x[rs, ks].astype(f32) for x in (q_ref, k_ref, g_ref))
-      D = jax.lax.cumsum(jnp.where(t3 > a3, gn[:, None, :], 0.0), axis=0)  # [t, a, k]: sum_{a < j <= t} g_j
-      kD = jnp.where(t3 >= a3, jnp.exp(D), 0.0) * kn[None, :, :]
-      A_d = A_d + _in_block(zero, jnp.sum(kn[:, None, :] * kD, axis=2), n)
-      P_d = P_d + _in_block(zero, jnp.sum(qn[:, None, :] * kD, axis=2), n)
-      Rn = jnp.sum(jnp.where(t3 == SUB - 1, D, 0.0), axis=0)  # [a, k]: sum_{a < j <= r} g_j
-      R = _in_block(R, Rn, n)
-      to_end = _in_block(to_end, Rn + later[None, :], n)
-      later = later + jnp.sum(gn, axis=0)
-    q, k, g = (x[:, ks].astype(f32) for x in (q_ref, k_ref, g_ref))
+  exact = jax.lax.Precision.HIGHEST  # the span sums: IEEE float32 products of 0/1 and g
+  iota = lambda axis: jax.lax.broadcasted_iota(jnp.int32, (Cp, Cp), axis)
+  row, col = iota(0), iota(1)
+  to_end_mask = (col > row).astype(f32)
+  odt = k_ref.dtype
+  load = lambda ks: tuple(x[:, ks].astype(f32) for x in (q_ref, k_ref, g_ref))
+  qk = jnp.zeros((Cp,), f32)
+  for n in range(Kp // BK):
+    ks = pl.ds(n * BK, BK)
+    q, k, g = load(ks)
     qdec_ref[:, ks] = (q * jnp.exp(jax.lax.cumsum(g, axis=0))).astype(qdec_ref.dtype)
-    kend_ref[:, ks] = (k * jnp.exp(to_end)).astype(kend_ref.dtype)
-    kR = k * jnp.exp(R)
-    odt = k_ref.dtype  # the dots' operands: bfloat16 for bfloat16 callers (no spill offline), else float32
-    for m in range(M - 1):
-      # e^{gamma_t - gamma_r}, r the last row of sub-chunk m, for the rows after it
-      fac = jnp.where(blk > m, jnp.exp(jax.lax.cumsum(jnp.where(blk > m, g, 0.0), axis=0)), 0.0)
-      right = jnp.where(blk == m, kR, 0.0).astype(odt)
-      A = A + _dot((k * fac).astype(odt), right, True, cfg.prec)
-      P = P + _dot((q * fac).astype(odt), right, True, cfg.prec)
-  p_ref[...] = jnp.where(row >= col, P + _block_diag(P_d), 0.0).astype(p_ref.dtype)
-  A = jnp.where(row > col, A + _block_diag(A_d), 0.0)
+    kend_ref[:, ks] = (k * jnp.exp(_dot(to_end_mask, g, False, exact))).astype(kend_ref.dtype)
+    qk = qk + jnp.sum(q * k, axis=1)
+  # Levels outside, key blocks inside: one level's masks live at a time.
+  A = P = jnp.zeros((Cp, Cp), f32)
+  s = 1
+  while s < Cp:
+    span, pair = _level_masks(Cp, s)
+    span = span.astype(f32)
+    def step(n, AP, span=span, pair=pair):
+      q, k, g = load(pl.ds(pl.multiple_of(n * BK, BK), BK))
+      e = jnp.exp(_dot(span, g, False, exact))
+      kf, qf = (k * e).astype(odt), (q * e).astype(odt)
+      return (AP[0] + jnp.where(pair, _dot(kf, kf, True, cfg.prec), 0.0),
+              AP[1] + jnp.where(pair, _dot(qf, kf, True, cfg.prec), 0.0))
+    A, P = jax.lax.fori_loop(0, Kp // BK, step, (A, P))
+    s *= 2
+  p_ref[...] = jnp.where(row == col, qk[:, None], P).astype(p_ref.dtype)
   _write_wu(A, b_ref[...].astype(f32), lambda ks: jnp.exp(jax.lax.cumsum(g_ref[:, ks].astype(f32), axis=0)),
             k_ref, v_ref, w_ref, u_ref, cfg)
 
