@@ -318,10 +318,12 @@ def _pair_channel_dyadic(q, k, g, dot):
     q5, k5, g5 = (x.reshape(lead + (nb, 2, s, K)) for x in (q, k, g))
     gu, gl = g5[..., 1, :, :], g5[..., 0, :, :]  # [.., nb, s, K]: the upper half (rows), the lower (columns)
     k_rows, q_rows = k5[..., 1, :, :], q5[..., 1, :, :]
-    if s == 1:  # the pair (a - 1, a): sum over (a, t] is empty and over (i, a] is g_a alone
+    if s == 1:
+      # The pair (a - 1, a) decays by e^{g_a}: the sum over (a, t] is empty, over (i, a] g_a alone. (As cumulative
+      # sums over one step they were sums of constant zeros, which XLA's GPU compiler folds element by element:
+      # seconds for each one, minutes for a model.)
       down = gu
-    else:  # (at s = 1 these sums would be cumulative sums of constant zeros, which XLA's GPU compiler constant-folds
-      # element by element: seconds for each one, minutes for a model)
+    else:
       ax = gu.ndim - 2
       first = jnp.arange(s)[:, None] == 0
       e_up = jnp.exp(_incl_sums(jnp.where(first, 0.0, gu), ax, mode=mode))  # sum over (a, t]
