@@ -6,9 +6,10 @@
 
 XLA writes `<module>.<NNNN>.<pipeline>.after_<pass>.before_<next>.txt` as a pass ends that changed the module, so
 the time between one file and the one before it is that pass's, with any passes between that changed nothing and
-the writing of the dump (compare passes with each other, not the total with an undumped compile). The table sums those gaps per pass over the modules that match --module, the
-slowest first, then lists the slowest single gaps. A pass that takes minutes on a large module (constant folding of
-a big constant expression, say) stands out at once.
+the writing of the dump (compare passes with each other, not the total with an undumped compile). The table sums
+those gaps per pass over the files that match --module, the slowest first, then lists the slowest single gaps.
+A pass that takes minutes on a large module (constant folding of a big constant expression, say) stands out at
+once.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ and that it builds no [c, c, K] pairwise decays.
 """
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from gdn import ops
 from gdn.ops import intra_chunk
 from test_ops import assert_close, bfloat16_inputs, kda_grad_shapes, make_inputs, oracle, run
+from test_pallas import equations
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -117,16 +117,8 @@ def _trivial_cumsums(x):
     o, _ = ops.gated_delta_rule(*args, method="chunk")
     return o.sum()
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(5))))(*(jnp.asarray(x[n]) for n in names))
-  found = []
-
-  def walk(jp):
-    for eqn in jp.eqns:
-      if eqn.primitive.name == "cumsum" and eqn.invars[0].aval.shape[eqn.params["axis"]] == 1:
-        found.append(tuple(eqn.invars[0].aval.shape))
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(sub)
-  walk(jaxpr.jaxpr)
-  return found
+  return [tuple(e.invars[0].aval.shape) for e in equations(jaxpr, "cumsum")
+          if e.invars[0].aval.shape[e.params["axis"]] == 1]
 
 
 def test_no_cumulative_sums_of_single_steps():
