@@ -20,6 +20,7 @@ import shlex
 import sys
 
 from gdn.sweep import expand, records, run_cells, write_report
+from gdn.sweep.grid import CorpusMismatch
 from gdn.train import ConfigError, compile_cache
 from gdn.train.checkpoint import ConfigMismatch, NoUsableCheckpoint
 from gdn.train.config_file import apply_overrides, load, split_argv
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
       compile_cache.enable(cells[0].config.compilation_cache, cells[0].config.run_dir)
     try:
       run_cells(cells, shard, num_shards, stack=args.stack, stack_size=args.stack_size, only=set(only) or None)
-    except (ConfigError, ConfigMismatch, NoUsableCheckpoint, WorkdirLocked) as e:  # as gdn-train reports them
+    except (ConfigError, ConfigMismatch, CorpusMismatch, NoUsableCheckpoint, WorkdirLocked) as e:  # as gdn-train does
       print(f"error: {e}", file=sys.stderr)
       return 2
   try:

@@ -4,6 +4,7 @@ cell, the table, the metric at every evaluation, and the plots."""
 import json
 import os
 
+import numpy as np
 import pytest
 
 from gdn.sweep import expand, write_report
@@ -384,3 +385,47 @@ def test_a_sweep_refuses_finished_cells_of_another_config_and_names_a_bad_metric
   for bad in ("abc", "1", "0/2/3"):
     assert compare.main(["--config", spec, "--shard", bad, "--list"]) == 2
     assert "--shard must be i/n" in capsys.readouterr().err
+
+
+def test_a_sweep_trains_no_cell_beside_finished_cells_of_another_corpus(tmp_path, monkeypatch):
+  """gdn-corpus reads the installation it runs in, so the corpus of a sweep's finished cells can change under
+  it (a package installed since): the sweep then refuses to train before any step, and a report whose runs
+  met two corpora says that they are not comparable, naming the runs of the other one."""
+  from gdn.sweep import grid
+  data = tmp_path / "pycode"
+  data.mkdir()
+  rng = np.random.default_rng(0)
+  for name in ("train.bin", "val.bin"):
+    (data / name).write_bytes(rng.integers(32, 127, 200_000, dtype=np.uint8).tobytes())
+
+  def build(sha):
+    (data / "manifest.json").write_text(json.dumps(
+        {"python": "3.12.3", "roots": ["stdlib", "site-packages"], "train": {"sha256": sha, "files": 7}}))
+
+  def finish(cell, sha):
+    _fake_run(cell, {150: 1.2})
+    path = os.path.join(cell.config.run_dir, "summary.json")
+    summary = json.load(open(path))
+    json.dump(dict(summary, corpus={"train": {"sha256": sha}}), open(path, "w"))
+
+  spec = os.path.join(ROOT, "configs", "lm_hybrids.py") + ":small"
+  config = apply_overrides(load(spec), ("sweep.learning_rates=(1e-3,)", f"data.text.train_file={data}/train.bin",
+                                        f"data.text.val_file={data}/val.bin"))
+  cells = expand(config, results=str(tmp_path / "results"))[:3]
+  for cell in cells[:2]:
+    finish(cell, "a" * 64)
+  trained = []
+  monkeypatch.setattr(grid, "train", lambda cfg, log: trained.append(cfg.run_dir))
+  build("b" * 64)
+  with pytest.raises(grid.CorpusMismatch, match=r"2 finished cell\(s\) .* \(train.bin SHA-256 bbbbbbbbbbbb, 7 "
+                                                r"files, Python 3.12.3.*: " + cells[0].id + " on aaaaaaaaaaaa"):
+    grid.run_cells(cells, log=lambda *_: None)
+  assert not trained
+  build("a" * 64)  # the corpus they were trained on: the third cell trains
+  grid.run_cells(cells, log=lambda *_: None)
+  assert trained == [cells[2].config.run_dir]
+
+  finish(cells[2], "b" * 64)
+  table = open(write_report(cells, str(tmp_path / "results"), title="t")["table.md"]).read()
+  assert ("**Not comparable: the runs trained on 2 different corpora** (train.bin SHA-256 aaaaaaaaaaaa: 2 runs; "
+          f"bbbbbbbbbbbb: {cells[2].id})") in table

@@ -23,12 +23,12 @@ It returns the fields of `intra_chunk.Local` that the Pallas state pass and `chu
 decay, P, W, U); k_dec and A are None. decay is computed in XLA (one exp per chunk, or per chunk and key channel).
 
 Per-key-channel decay (g [C, K]: KDA) has its own kernel, `_channel_kernel`, behind the module switch
-`FUSED_LOCAL_CHANNEL` (default False: `intra_chunk.local` takes that variant, as before; it has not been timed
-on a GPU). Steps 3 and 4 are the same; steps 1 and 2 follow `intra_chunk._pair_channel`: the decay of a pair of
-positions differs per key channel, so A and P are no longer k k^T and q k^T times one [Cp, Cp] decay. The
-diagonal 16 x 16 sub-chunk blocks take the exact pairwise decay (a [16, 16, BK] array per block of keys), the
-others factor it through the end of the earlier sub-chunk into two dots whose exponents are both <= 0, so no
-e^{+x} overflows even at g = -1e4 (total forgetting).
+`FUSED_LOCAL_CHANNEL` (default False: `intra_chunk.local` takes that variant, as before; on an H100 the kernel took
+1.05-1.12x XLA's stage, docs/benchmarks.md). Steps 3 and 4 are the same; steps 1 and 2 follow
+`intra_chunk._pair_channel_dyadic`: the decay of a pair of positions differs per key channel, so A and P are no
+longer k k^T and q k^T times one [Cp, Cp] decay. Each pair's decay is factored at the one dyadic boundary between
+its two positions, per level as dense [C, C] work over blocks of key channels, both exponents <= 0, so no e^{+x}
+overflows even at g = -1e4 (total forgetting).
 
 Dots: the inputs' dtype for k k^T and q k^T and the per-key-channel kernel's off-diagonal blocks (the keys and
 queries times their decays, rounded to it: bfloat16 operands for bfloat16 callers), float32 operands for the
@@ -100,11 +100,11 @@ SPLIT_NUM_WARPS = 8
 # `intra_chunk.local`, True to the kernel, in forward-only calls (a differentiated call runs XLA's stage and its
 # VJP, as for a per-head decay; the backward kernel takes a per-head decay only). Read at the call. Off: on one
 # H200 its first version (pairwise decays in 16-step sub-chunks) took 1.55x XLA's stage forward at (4, 2048, 16,
-# 128) (`experiments/bench_local.py --decay channel`; docs/benchmarks.md); the kernel is now built on dyadic
-# levels (2026-12-05) and not yet timed on a card. CHANNEL_BLOCK_K, its key channels per step of its loop over
-# key blocks, and CHANNEL_NUM_WARPS: offline for sm_90 (Triton 3.9, ptxas 13.4, bfloat16, C = 64, K = V = 128)
-# 235 registers a thread and no spill at 16 keys and 8 warps; 2,360 bytes of spill stores at 32 and 8 (float32
-# callers spill: 1,648 bytes at 16 and 8).
+# 128) (`experiments/bench_local.py --decay channel`; docs/benchmarks.md); rebuilt on dyadic levels (2026-12-05),
+# 1.05-1.12x XLA's stage on an H100 at three shapes (2026-12-06), still slower. CHANNEL_BLOCK_K, its key
+# channels per step of its loop over key blocks, and CHANNEL_NUM_WARPS: offline for sm_90 (Triton 3.9, ptxas
+# 13.4, bfloat16, C = 64, K = V = 128) 235 registers a thread and no spill at 16 keys and 8 warps; 2,360 bytes of
+# spill stores at 32 and 8 (float32 callers spill: 1,648 bytes at 16 and 8).
 FUSED_LOCAL_CHANNEL = False
 CHANNEL_BLOCK_K = 16
 CHANNEL_NUM_WARPS = 8

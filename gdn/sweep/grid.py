@@ -12,6 +12,7 @@ import os
 import ml_collections
 import numpy as np
 
+from gdn.data import corpus
 from gdn.sweep.records import finished_record, mark_nonfinite, nonfinite, record_dir
 from gdn.train.checkpoint import ConfigMismatch
 from gdn.train.config import ConfigError, ExperimentConfig, from_dict
@@ -184,6 +185,53 @@ def check_trained_as(cell: Cell) -> None:
                            f"{kind} to train the cell again")
 
 
+class CorpusMismatch(ValueError):
+  """Finished cells of a sweep were trained on another gdn-corpus build than its token files hold now."""
+
+
+def _trained_corpus(d: str) -> str:
+  """The train.bin SHA-256 that the summary.json in `d` names ("" for none: unfinished, or other data; records
+  imported from a results.csv keep its first 12 hex digits)."""
+  path = os.path.join(d, "summary.json")
+  if not os.path.exists(path):
+    return ""
+  with open(path) as f:
+    c = json.load(f).get("corpus") or {}
+  return c.get("train", {}).get("sha256", "")
+
+
+def check_same_corpus(cells) -> None:
+  """Raise CorpusMismatch if a finished cell (its run or its record) was trained on another gdn-corpus build than
+  the one its token file's manifest.json describes now. gdn-corpus reads the installation it runs in (the
+  standard library and every installed distribution), so a package installed or upgraded since changes the
+  bytes, and cells of the two builds would share one table with losses on different validation files. Token
+  files that no manifest describes are not compared."""
+  current, bad = {}, []
+  for cell in cells:
+    if cell.config.data.task != "tokens":
+      continue
+    path = cell.config.data.text.train_file
+    if path not in current:
+      current[path] = corpus.describe(path) or {}
+    want = current[path].get("train", {}).get("sha256", "")
+    for d in (cell.config.run_dir, record_dir(cell.config.run_dir)) if want else ():
+      got = _trained_corpus(d)
+      if got and want[:len(got)] != got:
+        bad.append((cell.id, d, got, path, want))
+        break
+  if bad:
+    cell_id, d, got, path, want = bad[0]
+    m = current[path]
+    raise CorpusMismatch(
+        f"{len(bad)} finished cell(s) of this sweep were trained on another corpus than {path} holds now "
+        f"(train.bin SHA-256 {want[:12]}, {m['train'].get('files')} files, Python {m.get('python')}, roots "
+        f"{m.get('roots')}): {cell_id} on {got[:12]} ({d}/summary.json)"
+        + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") + ". gdn-corpus reads the installation it runs "
+        "in (the standard library and every installed distribution), so an installed or upgraded package changes "
+        "it. Build the corpus as the finished cells had it (their summary.json names its Python, roots and file "
+        "counts), or give this sweep another config.name (its own results directory)")
+
+
 def shard_cells(cells, shard: int = 0, num_shards: int = 1) -> list:
   """This shard's cells. Cells that differ only in the seed or the learning rate compile to the same programs,
   so they stay together: the (model, setting) groups are dealt out in turn, and a shard runs its groups' cells
@@ -213,6 +261,8 @@ def run_cells(cells, shard: int = 0, num_shards: int = 1, log=print, stack: bool
   for cell in mine:  # before any training: a sweep of mixed configs stops at once
     if done(cell):
       check_trained_as(cell)
+  if not all(done(c) for c in mine):  # and one whose corpus changed under its finished cells
+    check_same_corpus(cells)
   if stack:
     _run_stacked(mine, stack_size, log)
     return

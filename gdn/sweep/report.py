@@ -67,6 +67,21 @@ def _corpus(summary) -> str:
   return c.get("train", {}).get("sha256", "")[:12]
 
 
+def _corpora(rows) -> str:
+  """The table's note of the corpus its runs trained on; where they differ (a corpus rebuilt in another
+  installation, `gdn.sweep.grid.check_same_corpus`), a warning with each digest's runs."""
+  by = {}
+  for r in rows:
+    if r["corpus"]:
+      by.setdefault(r["corpus"], []).append(os.path.basename(r["run_dir"]))
+  if len(by) <= 1:
+    return "".join(f" Corpus (train.bin SHA-256): {c}." for c in by)
+  major = max(by, key=lambda c: len(by[c]))
+  return (f" **Not comparable: the runs trained on {len(by)} different corpora** (train.bin SHA-256 {major}: "
+          f"{len(by[major])} runs; " + "; ".join(f"{c}: {', '.join(sorted(ids))}" for c, ids in sorted(by.items())
+                                                 if c != major) + ").")
+
+
 def _budget(cell, src: str) -> dict:
   """The run's schedule length and the step it was to stop at, from the config it ran with (in `src`, its record;
   a sweep may be run in pieces with different `train.stop_step` cuts than the config the report is written from)."""
@@ -272,7 +287,7 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
            + (f" {len(no_history)} of them have no metrics history (records of an earlier results.csv, "
               "`gdn.sweep.records.import_csv`): their curves and per-evaluation values are missing."
               if no_history else "")
-           + "".join(f" Corpus (train.bin SHA-256): {c}." for c in sorted({r["corpus"] for r in rows} - {""})), ""]
+           + _corpora(rows), ""]
 
   def best_rates(m, s):
     if (m, s) not in summary:
