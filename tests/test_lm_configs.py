@@ -4,6 +4,8 @@ budget that the no-repeat check holds to the corpus it is given."""
 import collections
 import copy
 import functools
+import json
+import shutil
 
 import pytest
 
@@ -113,14 +115,27 @@ def test_the_full_budget_is_refused_on_a_corpus_too_small_for_it(small_corpus):
     make_task(cell.config.data, cell.config.seed, cell.config.train.steps)
 
 
-def test_a_run_records_the_corpus_digests(small_corpus, tmp_path):
+def test_a_run_records_the_corpus_digests_and_resumes_on_that_corpus_only(small_corpus, tmp_path):
+  """The summary names the corpus build; the checkpoints remember it, and a relaunch whose train file is now
+  another build (gdn-corpus rerun in a changed installation) is refused before anything is trained."""
   from gdn.train import from_dict, train  # noqa: PLC0415
-  c = _with_corpus(_models(lm_ablations, "small")[0], small_corpus)
-  apply_overrides(c, ("train.steps=3", "train.warmup_steps=1", "train.eval_every=0", "train.checkpoint_every=0",
+  from gdn.train.checkpoint import ConfigMismatch  # noqa: PLC0415
+  data = tmp_path / "pycode"
+  shutil.copytree(small_corpus, data)
+  c = _with_corpus(_models(lm_ablations, "small")[0], data)
+  apply_overrides(c, ("train.steps=3", "train.warmup_steps=1", "train.eval_every=0", "train.checkpoint_every=3",
                       "train.progress_bar=false", "data.text.eval_examples=4", f"workdir={tmp_path / 'run'}"))
   summary = train(from_dict(c.to_dict()), log=lambda *a: None)
-  want = (small_corpus / "manifest.json").read_text()
-  assert summary["corpus"]["train"]["sha256"] in want and summary["eval"]["bits_per_byte"] > 0
+  manifest = (data / "manifest.json").read_text()
+  sha = summary["corpus"]["train"]["sha256"]
+  assert sha in manifest and summary["eval"]["bits_per_byte"] > 0
+  assert json.loads((tmp_path / "run" / "corpus.json").read_text())["train"]["sha256"] == sha
+
+  (tmp_path / "run" / "summary.json").unlink()  # as if stopped after its last checkpoint
+  (data / "manifest.json").write_text(manifest.replace(sha, "0" * 64))
+  with pytest.raises(ConfigMismatch, match=f"trained on the corpus whose train.bin has SHA-256 {sha[:12]} .* is "
+                                           "now 000000000000"):
+    train(from_dict(c.to_dict()), log=lambda *a: None)
 
 
 def test_published_table_marks_agreement_ties_and_disagreement():

@@ -61,8 +61,9 @@ def load_task(cfg: ExperimentConfig, rows=None, log=print):
 def train(cfg: ExperimentConfig, log=print) -> dict:
   """Trains (or resumes) `cfg` in `cfg.run_dir`; returns the summary also written to summary.json.
 
-  The work directory holds config.json (the resolved config), metrics.jsonl, tb/ (TensorBoard),
-  checkpoints/, summary.json and the lock files of the run that holds it (gdn/train/workdir.py: a second
+  The work directory holds config.json (the resolved config), corpus.json (for token files that gdn-corpus
+  built: which build; a relaunch on another is refused), metrics.jsonl, tb/ (TensorBoard), checkpoints/,
+  summary.json and the lock files of the run that holds it (gdn/train/workdir.py: a second
   run on it is refused, and so is a config its checkpoints do not fit, unless train.resume says otherwise).
   Several processes (after `jax.distributed.initialize()`) run the same call on a shared work directory: each
   loads its own rows of every batch, process 0 alone writes the files other than checkpoints and logs.
@@ -88,6 +89,8 @@ def _train(cfg: ExperimentConfig, log) -> dict:
     log(f"{workdir}: finished already at step {done['steps']}"
         f"{' (stopped early)' if done.get('stopped_early') else ''}; its summary.json stands")
     return done
+  if mode == "resume":  # checkpoints of another corpus build would go on with other bytes
+    workdirs.check_corpus(cfg, workdir, workdirs.has_checkpoints(ckdir))
   tc = cfg.train
   last = tc.last_step
   B = cfg.data.batch_size
@@ -127,6 +130,7 @@ def _train(cfg: ExperimentConfig, log) -> dict:
     log(f"train.resume={mode}: moved the previous run in {workdir} to {previous}")
   if primary:
     workdirs.write_config(cfg, workdir)
+    workdirs.write_corpus(cfg, workdir)
   _sync("work directory ready")
 
   ckpts = checkpoint.Checkpoints(ckdir, tc.keep_checkpoints)

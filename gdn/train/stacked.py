@@ -151,6 +151,8 @@ def _train_stacked(cfgs: list, gdir: str, log) -> list:
   tc, last = cfg0.train, cfg0.train.last_step
   ckdir = os.path.join(gdir, "checkpoints")
   mode = workdirs.decide(gdir, workdirs.as_json(cfg0), workdirs.has_checkpoints(ckdir))
+  if mode == "resume":
+    workdirs.check_corpus(cfg0, gdir, workdirs.has_checkpoints(ckdir))
   ended = [workdirs.finished(c) for c in cfgs]  # finished before this launch: frozen throughout
   for cfg, e in zip(cfgs, ended):
     if not e and mode == "resume" and workdirs.has_checkpoints(os.path.join(cfg.run_dir, "checkpoints")):
@@ -179,6 +181,7 @@ def _train_stacked(cfgs: list, gdir: str, log) -> list:
       workdirs.set_aside(d, previous)
       log(f"train.resume={mode}: moved the previous run in {d} to {previous}")
   workdirs.write_config(cfg0, gdir)
+  workdirs.write_corpus(cfg0, gdir)
   with open(os.path.join(gdir, "cells.json"), "w") as f:
     json.dump([c.name for c in cfgs], f, indent=2)
   for cfg, e in zip(cfgs, ended):

@@ -18,6 +18,7 @@ import os
 import shutil
 import socket
 
+from gdn.data import corpus
 from gdn.train.checkpoint import ConfigMismatch
 from gdn.train.config import ExperimentConfig, to_dict
 
@@ -71,6 +72,43 @@ def as_json(cfg) -> dict:
 def write_config(cfg, workdir: str) -> None:
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(as_json(cfg), f, indent=2)
+
+
+CORPUS_FILE = "corpus.json"  # beside config.json: the gdn-corpus build that a token-file run's checkpoints saw
+
+
+def _corpus_now(cfg):
+  """The manifest of the gdn-corpus build that the run's train file belongs to, or None (other data)."""
+  return corpus.describe(cfg.data.text.train_file) if cfg.data.task == "tokens" else None
+
+
+def write_corpus(cfg, workdir: str) -> None:
+  """Records beside config.json which corpus build the run trains on (nothing for other data)."""
+  now = _corpus_now(cfg)
+  if now is not None:
+    with open(os.path.join(workdir, CORPUS_FILE), "w") as f:
+      json.dump(now, f, indent=2)
+
+
+def check_corpus(cfg, workdir: str, has_checkpoints: bool) -> None:
+  """Raise ConfigMismatch if the checkpoints in `workdir` were trained on another gdn-corpus build than the one
+  the train file belongs to now. gdn-corpus reads the installation it runs in, so one path can hold other bytes
+  after a package is installed; config.json names the path only, and a resumed run would go on with other
+  windows and another validation file."""
+  path = os.path.join(workdir, CORPUS_FILE)
+  now = _corpus_now(cfg)
+  if not has_checkpoints or now is None or not os.path.exists(path):
+    return
+  with open(path) as f:
+    then = json.load(f)
+  old, new = then["train"]["sha256"], now["train"]["sha256"]
+  if old != new:
+    raise ConfigMismatch(
+        f"the checkpoints in {workdir} were trained on the corpus whose train.bin has SHA-256 {old[:12]} "
+        f"({then['train'].get('files')} files, Python {then.get('python')}), and {cfg.data.text.train_file} is "
+        f"now {new[:12]} ({now['train'].get('files')} files, Python {now.get('python')}; gdn-corpus reads the "
+        "installation it runs in). Rebuild the corpus as it was, or use another config.workdir, "
+        "--config.train.resume=fresh or --config.train.resume=params_only")
 
 
 def saved_config(workdir: str):
