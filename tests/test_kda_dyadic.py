@@ -107,7 +107,6 @@ def test_total_forgetting(case):
   assert_close(run("chunk", x, chunk_size=32, switches=ON), oracle(x), 1e-5, case)
 
 
-
 def _trivial_cumsums(x):
   """The shapes of the cumulative sums along an axis of length 1 in the traced gradient of a per-key-channel op
   with respect to every input, nested programs included."""

@@ -13,7 +13,7 @@ def test_gaps_are_credited_to_the_pass_that_ended(tmp_path):
            "m.jit_f.0002.simp.after_constant_folding.before_dce.txt",
            "m.jit_f.0003.after_layout.after_algsimp.before_fusion.txt",
            "other.jit_g.0001.simp.after_constant_folding.before_dce.txt"]
-  for i, (name, t) in enumerate(zip(names, [100.0, 101.0, 131.0, 133.0, 140.0])):
+  for name, t in zip(names, [100.0, 101.0, 131.0, 133.0, 140.0]):
     (tmp_path / name).write_text("x")
     os.utime(tmp_path / name, (t, t))
   assert xpt.pass_of("m.jit_f.0013.copy-insertion.after_adding_copies.txt") == "adding_copies"

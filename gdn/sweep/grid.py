@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 
 from gdn.data import corpus
-from gdn.sweep.records import finished_record, mark_nonfinite, nonfinite, record_dir
+from gdn.sweep.records import corpus_digest, finished_record, mark_nonfinite, nonfinite, record_dir
 from gdn.train.checkpoint import ConfigMismatch
 from gdn.train.config import ConfigError, ExperimentConfig, from_dict
 from gdn.train.config_file import apply_overrides
@@ -190,14 +190,12 @@ class CorpusMismatch(ValueError):
 
 
 def _trained_corpus(d: str) -> str:
-  """The train.bin SHA-256 that the summary.json in `d` names ("" for none: unfinished, or other data; records
-  imported from a results.csv keep its first 12 hex digits)."""
+  """`records.corpus_digest` of the summary.json in `d`, "" where there is none (unfinished)."""
   path = os.path.join(d, "summary.json")
   if not os.path.exists(path):
     return ""
   with open(path) as f:
-    c = json.load(f).get("corpus") or {}
-  return c.get("train", {}).get("sha256", "")
+    return corpus_digest(json.load(f))
 
 
 def check_same_corpus(cells) -> None:

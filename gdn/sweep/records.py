@@ -21,6 +21,12 @@ NONFINITE = "nonfinite.json"  # a sweep's mark of a cell that non-finite steps s
 COPIED = ("summary.json", "config.json", NONFINITE)
 
 
+def corpus_digest(summary: dict) -> str:
+  """The gdn-corpus train.bin SHA-256 that a run's summary names ("" for other data; records imported from a
+  results.csv keep its first 12 hex digits)."""
+  return ((summary.get("corpus") or {}).get("train") or {}).get("sha256", "")
+
+
 def record_dir(run_dir: str) -> str:
   """results/<name>/records/<cell id> for the run directory results/<name>/runs/<cell id>."""
   run_dir = os.path.normpath(run_dir)

@@ -63,8 +63,7 @@ def collect(cells) -> list:
 
 def _corpus(summary) -> str:
   """The first 12 hex digits of the gdn-corpus train file's SHA-256, "" for other data."""
-  c = summary.get("corpus") or {}
-  return c.get("train", {}).get("sha256", "")[:12]
+  return records.corpus_digest(summary)[:12]
 
 
 def _corpora(rows) -> str:
