@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdn.ops import checks
+from gdn.ops import checks, pallas_diag
+from gdn.ops.pallas_common import default_interpret
 
 SUB_CHUNK = 16
 # The chunk-local stage's differentiated forward and backward over groups of chunks (`grouped`): 1 (today) lets JAX
@@ -110,6 +111,14 @@ BOUNDED_LOWP_DOTS = True
 # H200 to 0.89x (forward) and 0.62x (forward+backward), and the KDA 3:1 model's step to 0.87x (docs/benchmarks.md,
 # "KDA's exact form by dyadic anchors").
 CHANNEL_PAIR_DYADIC = True
+# The dyadic form's levels below SUB_CHUNK (the pairs inside each sub-chunk of 16 steps: four rounds of small
+# batched matmuls, exponentials and block assemblies over the whole [L, C, K] layout) as one Pallas kernel per
+# direction, `pallas_diag.diag_blocks`: one program per sub-chunk, exact span sums, its own backward kernel. True,
+# False, or None = where the Pallas kernels compile (a GPU; in Pallas' interpreter it would only slow CPU runs
+# down). For 16- and 32-bit inputs and chunks of a multiple of 16 steps; the levels from 16 up stay in XLA. Read
+# at trace time. On an H100 (2026-12-06) it took the KDA op's bfloat16 forward+backward to 0.98x at (4, 2048, 16,
+# 128) and 0.89x at (2, 16384, 16, 128), and the KDA 3:1 model's training step to 0.83x (docs/benchmarks.md).
+CHANNEL_DIAG_KERNEL: Optional[bool] = None
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -306,13 +315,19 @@ def _pair_channel_dyadic(q, k, g, dot):
   factors as e^{gamma_t - gamma_i} = e^{sum over (a, t]} e^{sum over (i, a]}, both exponents <= 0 (no overflow,
   whatever the gate), each a sum inside one half block (no cancellation against a chunk-long cumulative sum).
   Each level is one batched matmul of [C/2s, s, K] by [C/2s, K, s]: log2(C) levels whose operands hold C/2
-  positions each, against the [C/16, 16, 16, K] pairwise decays of `_pair_channel`'s diagonal blocks."""
+  positions each, against the [C/16, 16, 16, K] pairwise decays of `_pair_channel`'s diagonal blocks. With
+  CHANNEL_DIAG_KERNEL the levels below 16 (each sub-chunk's own pairs) come from `pallas_diag.diag_blocks`."""
   C, K = k.shape[-2:]
   mode = _sum_mode(True)
   lead = k.shape[:-2]
-  W_A = jnp.zeros(lead + (C, 1, 1), jnp.promote_types(k.dtype, jnp.float32))
-  W_P = dot("...tk,...tk->...t", q, k)[..., None, None].astype(W_A.dtype)  # the diagonal: decay 1
-  s = 1
+  if pallas_diag.use(CHANNEL_DIAG_KERNEL) and pallas_diag.supported(C, jnp.result_type(q, k, g)):
+    # the levels below SUB_CHUNK, every sub-chunk's own pairs, by the kernel: W_A, W_P [.., C / 16, 16, 16]
+    W_A, W_P = pallas_diag.diag_blocks(q, k, g, default_interpret())
+    s = pallas_diag.SUB
+  else:
+    W_A = jnp.zeros(lead + (C, 1, 1), jnp.promote_types(k.dtype, jnp.float32))
+    W_P = dot("...tk,...tk->...t", q, k)[..., None, None].astype(W_A.dtype)  # the diagonal: decay 1
+    s = 1
   while s < C:
     nb = C // (2 * s)
     q5, k5, g5 = (x.reshape(lead + (nb, 2, s, K)) for x in (q, k, g))

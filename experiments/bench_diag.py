@@ -1,0 +1,129 @@
+"""The KDA diagonal-block kernels (`gdn.ops.pallas_diag`) alone, against XLA's dyadic levels below 16 steps that
+they replace (`intra_chunk._pair_channel_dyadic` on chunks of 16 positions with `CHANNEL_DIAG_KERNEL` off), over
+the kernels' settings: the exponents by scans or running sums (`pallas_diag.RUNNING_SUMS`) and the warps of both
+programs (`NUM_WARPS`, `BWD_NUM_WARPS`).
+
+Shapes are (B, T, H, D): B * H * T / 16 sub-chunks of 16 positions, K = D; q, k in --dtype, g float32 log-decays
+drawn in [log 0.9, 0] as the op benchmarks draw them. Per variant: median ms of the forward (A and P) and of the
+forward+backward (the gradient of <A, 1> + <P, 1> with respect to q, k and g), and the largest relative error of
+A, P and of the gradients against XLA's float32 levels at HIGHEST precision. A variant that fails prints its
+error's last line and the rest go on.
+
+  python -m experiments.bench_diag                                    # two shapes, every setting, bfloat16
+  python -m experiments.bench_diag --shapes 1,128,1,32 --warps 4 --reps 1   # CPU smoke (the interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gdn.bench.timing import timed
+from gdn.ops import intra_chunk, pallas_diag
+from gdn.ops.pallas_common import default_interpret
+
+
+def sub_chunks(shape, dtype, seed=0):
+  """q, k [R, 16, D] in `dtype` and g [R, 16, D] float32 for the B * H * T / 16 sub-chunks of `shape`."""
+  B, T, H, D = shape
+  if T % pallas_diag.SUB:
+    raise ValueError(f"T must be a multiple of {pallas_diag.SUB}, got {shape}")
+  R = B * H * T // pallas_diag.SUB
+  rng = np.random.default_rng(seed)
+  q = rng.normal(size=(R, pallas_diag.SUB, D)) / np.sqrt(D)
+  k = rng.normal(size=(R, pallas_diag.SUB, D))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  g = np.log(rng.uniform(0.9, 1.0, (R, pallas_diag.SUB, D)))
+  return jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(g, jnp.float32)
+
+
+def programs(blocks):
+  """(forward, forward+backward) jitted for `blocks(q, k, g) -> (A, P)`."""
+  def loss(q, k, g):
+    A, P = blocks(q, k, g)
+    return A.sum() + P.sum()
+  return jax.jit(blocks), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def xla_levels(prec):
+  """XLA's levels below 16 (the dyadic form on chunks of 16 positions, the kernel off)."""
+  dot = intra_chunk._dot(prec)
+
+  def blocks(q, k, g):
+    A, P = intra_chunk._pair_channel_dyadic(q, k, g, dot)
+    return A[:, None], P[:, None]  # [R, 1, 16, 16], the kernel's layout
+  return blocks
+
+
+def rel(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def measure(shape, dtype, warps, reps, prec):
+  """Rows of (variant, fwd ms, fwd+bwd ms, err A, err P, err grads)."""
+  args = sub_chunks(shape, dtype)
+  saved = (intra_chunk.CHANNEL_DIAG_KERNEL, pallas_diag.RUNNING_SUMS, pallas_diag.NUM_WARPS,
+           pallas_diag.BWD_NUM_WARPS)
+  rows = []
+  try:
+    intra_chunk.CHANNEL_DIAG_KERNEL = False
+    ref_f, ref_g = programs(xla_levels(jax.lax.Precision.HIGHEST))
+    want, want_g = ref_f(*args), ref_g(*args)
+    variants = [("XLA levels", None, None)] + [
+        (f"kernel, {'running sums' if r else 'scans'}, {w} warps", r, w) for r, w in itertools.product(
+            (False, True), warps)]
+    interpret = default_interpret()
+    for name, running, w in variants:
+      try:
+        if running is None:
+          fwd, both = programs(xla_levels(prec))
+        else:
+          pallas_diag.RUNNING_SUMS, pallas_diag.NUM_WARPS, pallas_diag.BWD_NUM_WARPS = running, w, w
+          fwd, both = programs(lambda q, k, g: pallas_diag.diag_blocks(q, k, g, interpret))
+        got, got_g = fwd(*args), both(*args)
+        errs = (rel(got[0], want[0]), rel(got[1], want[1]), max(rel(a, b) for a, b in zip(got_g, want_g)))
+        rows.append((name, timed(fwd, args, reps), timed(both, args, reps)) + errs)
+      except Exception as e:  # a variant that does not compile or run: say why, time the rest
+        rows.append((name, None, None, None, None, None))
+        print(f"# {name}: {traceback.format_exception_only(type(e), e)[-1].strip()}")
+  finally:
+    (intra_chunk.CHANNEL_DIAG_KERNEL, pallas_diag.RUNNING_SUMS, pallas_diag.NUM_WARPS,
+     pallas_diag.BWD_NUM_WARPS) = saved
+  return rows
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--shapes", nargs="*", default=["4,2048,16,128", "2,16384,16,128"], help="B,T,H,D each")
+  p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="q and k")
+  p.add_argument("--warps", default="1,2,4,8", help="the kernels' warps to try, comma-separated")
+  p.add_argument("--reps", type=int, default=20)
+  a = p.parse_args(argv)
+  warps = [int(w) for w in a.warps.split(",")]
+  dtype = jnp.dtype(a.dtype)
+  prec = jax.lax.Precision.DEFAULT if dtype.itemsize == 2 else jax.lax.Precision.HIGHEST
+  print(f"# pallas_diag against XLA's dyadic levels below 16; {jax.devices()[0].device_kind}, jax {jax.__version__}; "
+        f"{a.dtype} q, k, float32 g; median of {a.reps}; errors against XLA's float32 levels at HIGHEST")
+  out = {}
+  for s in a.shapes:
+    shape = tuple(int(x) for x in s.split(","))
+    print(f"\n## (B, T, H, D) = {shape}: {shape[0] * shape[2] * shape[1] // pallas_diag.SUB:,} sub-chunks of 16 x "
+          f"{shape[3]}")
+    print("| variant | fwd ms | fwd+bwd ms | rel err A | rel err P | rel err grads |")
+    print("|---|---:|---:|---:|---:|---:|")
+    rows = measure(shape, dtype, warps, a.reps, prec)
+    fmt = lambda x, f: "-" if x is None else format(x, f)
+    for name, f, b, ea, ep, eg in rows:
+      print(f"| {name} | {fmt(f, '.3f')} | {fmt(b, '.3f')} | {fmt(ea, '.1e')} | {fmt(ep, '.1e')} | {fmt(eg, '.1e')} |")
+    out[shape] = rows
+  return out
+
+
+if __name__ == "__main__":
+  main()

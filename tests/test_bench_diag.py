@@ -1,0 +1,25 @@
+"""The diagonal-block kernels' benchmark runs on CPU (the kernels in Pallas' interpreter) and checks what it times."""
+
+import pytest
+
+from experiments import bench_diag
+from gdn.ops import intra_chunk, pallas_diag
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+def test_runs_every_variant_and_restores_the_settings(capsys):
+  before = (intra_chunk.CHANNEL_DIAG_KERNEL, pallas_diag.RUNNING_SUMS, pallas_diag.NUM_WARPS)
+  out = bench_diag.main(["--shapes", "1,64,1,16", "--warps", "2", "--reps", "1", "--dtype", "float32"])
+  rows = out[(1, 64, 1, 16)]
+  assert [r[0] for r in rows] == ["XLA levels", "kernel, scans, 2 warps", "kernel, running sums, 2 warps"]
+  for name, fwd, both, err_a, err_p, err_g in rows:
+    assert fwd > 0 and both > 0, name
+    assert max(err_a, err_p, err_g) < 1e-5, name  # float32 inputs: the kernels agree with XLA's levels
+  assert "| kernel, running sums, 2 warps |" in capsys.readouterr().out
+  assert (intra_chunk.CHANNEL_DIAG_KERNEL, pallas_diag.RUNNING_SUMS, pallas_diag.NUM_WARPS) == before
+
+
+def test_rejects_a_length_of_no_whole_sub_chunks():
+  with pytest.raises(ValueError, match="multiple of 16"):
+    bench_diag.sub_chunks((1, 40, 1, 16), "float32")
