@@ -9,8 +9,12 @@ forward+backward (the gradient of <A, 1> + <P, 1> with respect to q, k and g), a
 A, P and of the gradients against XLA's float32 levels at HIGHEST precision. A variant that fails prints its
 error's last line and the rest go on.
 
+With --resources, nothing runs: each setting's two kernels are compiled offline for sm_90 with the installed
+Triton (`gdn.bench.kernel_resources`, any host) and their registers, spills and shared memory printed.
+
   python -m experiments.bench_diag                                    # two shapes, every setting, bfloat16
   python -m experiments.bench_diag --shapes 1,128,1,32 --warps 4 --reps 1   # CPU smoke (the interpreter)
+  python -m experiments.bench_diag --resources                        # registers and spills, no GPU needed
 """
 
 from __future__ import annotations
@@ -98,15 +102,50 @@ def measure(shape, dtype, warps, reps, prec):
   return rows
 
 
+def resources_table(dtype, warps, K=128) -> list:
+  """Rows of (RUNNING_SUMS, warps, kernel, resources dict) for both kernels at every setting, compiled offline for
+  sm_90 (a program's tile does not depend on the shape, so one small shape stands for all)."""
+  from gdn.bench.kernel_resources import resources, triton_kernels
+
+  x = jax.ShapeDtypeStruct((4, 64, K), dtype)
+  g = jax.ShapeDtypeStruct((4, 64, K), jnp.float32)
+  ct = jax.ShapeDtypeStruct((4, 4, pallas_diag.SUB, pallas_diag.SUB), jnp.float32)
+  saved = (pallas_diag.RUNNING_SUMS, pallas_diag.NUM_WARPS, pallas_diag.BWD_NUM_WARPS)
+  rows = []
+  try:
+    for running, w in itertools.product((False, True), warps):
+      pallas_diag.RUNNING_SUMS, pallas_diag.NUM_WARPS, pallas_diag.BWD_NUM_WARPS = running, w, w
+
+      def both(q, k, g, a, p):  # a new function each time: jit caches by function, and the settings are read at trace
+        return jax.vjp(lambda *x: pallas_diag.diag_blocks(*x, False), q, k, g)[1]((a, p))
+      for kernel in triton_kernels(jax.jit(both), x, x, g, ct, ct):
+        rows.append((running, w, kernel.name, resources(kernel)))
+  finally:
+    pallas_diag.RUNNING_SUMS, pallas_diag.NUM_WARPS, pallas_diag.BWD_NUM_WARPS = saved
+  return rows
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--shapes", nargs="*", default=["4,2048,16,128", "2,16384,16,128"], help="B,T,H,D each")
   p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="q and k")
   p.add_argument("--warps", default="1,2,4,8", help="the kernels' warps to try, comma-separated")
   p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--resources", action="store_true",
+                 help="print the kernels' registers, spills and shared memory for sm_90 (offline, any host) and exit")
   a = p.parse_args(argv)
   warps = [int(w) for w in a.warps.split(",")]
   dtype = jnp.dtype(a.dtype)
+  if a.resources:
+    print(f"# pallas_diag's kernels compiled offline for sm_90 (the installed Triton, its ptxas -v); {a.dtype} q, k, "
+          "float32 g, K = 128")
+    print("| RUNNING_SUMS | warps | kernel | registers | spill stores B | spill loads B | shared KiB |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    rows = resources_table(dtype, warps)
+    for running, w, name, r in rows:
+      print(f"| {'on' if running else 'off'} | {w} | {name} | {r['registers']} | {r['spill_stores']} | "
+            f"{r['spill_loads']} | {r['shared'] / 1024:.0f} |")
+    return rows
   prec = jax.lax.Precision.DEFAULT if dtype.itemsize == 2 else jax.lax.Precision.HIGHEST
   print(f"# pallas_diag against XLA's dyadic levels below 16; {jax.devices()[0].device_kind}, jax {jax.__version__}; "
         f"{a.dtype} q, k, float32 g; median of {a.reps}; errors against XLA's float32 levels at HIGHEST")

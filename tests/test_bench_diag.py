@@ -23,3 +23,16 @@ def test_runs_every_variant_and_restores_the_settings(capsys):
 def test_rejects_a_length_of_no_whole_sub_chunks():
   with pytest.raises(ValueError, match="multiple of 16"):
     bench_diag.sub_chunks((1, 40, 1, 16), "float32")
+
+
+def test_resources_offline_for_sm90():
+  """--resources compiles both kernels for sm_90 with the installed Triton (skipped without it): at 8 warps
+  neither spills, with scans or running sums (the running sums' forward needs no shared memory at all)."""
+  pytest.importorskip("triton")
+  rows = bench_diag.main(["--resources", "--warps", "8"])
+  assert [(r, w, n) for r, w, n, _ in rows] == [
+      (False, 8, "gdn_channel_diag_blocks"), (False, 8, "gdn_channel_diag_blocks_bwd"),
+      (True, 8, "gdn_channel_diag_blocks"), (True, 8, "gdn_channel_diag_blocks_bwd")]
+  for running, _, name, res in rows:
+    assert 0 < res["registers"] <= 255 and res["spill_stores"] == 0, (running, name, res)
+  assert rows[2][3]["shared"] == 0
