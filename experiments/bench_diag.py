@@ -20,6 +20,7 @@ Triton (`gdn.bench.kernel_resources`, any host) and their registers, spills and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import traceback
 
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdn.bench.op_fns import rel_err
 from gdn.bench.timing import timed
 from gdn.ops import intra_chunk, pallas_diag
 from gdn.ops.pallas_common import default_interpret
@@ -64,18 +66,24 @@ def xla_levels(prec):
   return blocks
 
 
-def rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+@contextlib.contextmanager
+def kept():
+  """Puts the module settings that the variants change back as they were on leaving."""
+  settings = [(intra_chunk, "CHANNEL_DIAG_KERNEL")] + [
+      (pallas_diag, n) for n in ("RUNNING_SUMS", "NUM_WARPS", "BWD_NUM_WARPS")]
+  saved = [(m, n, getattr(m, n)) for m, n in settings]
+  try:
+    yield
+  finally:
+    for m, n, v in saved:
+      setattr(m, n, v)
 
 
 def measure(shape, dtype, warps, reps, prec):
   """Rows of (variant, fwd ms, fwd+bwd ms, err A, err P, err grads)."""
   args = sub_chunks(shape, dtype)
-  saved = (intra_chunk.CHANNEL_DIAG_KERNEL, pallas_diag.RUNNING_SUMS, pallas_diag.NUM_WARPS,
-           pallas_diag.BWD_NUM_WARPS)
   rows = []
-  try:
+  with kept():
     intra_chunk.CHANNEL_DIAG_KERNEL = False
     ref_f, ref_g = programs(xla_levels(jax.lax.Precision.HIGHEST))
     want, want_g = ref_f(*args), ref_g(*args)
@@ -91,14 +99,12 @@ def measure(shape, dtype, warps, reps, prec):
           pallas_diag.RUNNING_SUMS, pallas_diag.NUM_WARPS, pallas_diag.BWD_NUM_WARPS = running, w, w
           fwd, both = programs(lambda q, k, g: pallas_diag.diag_blocks(q, k, g, interpret))
         got, got_g = fwd(*args), both(*args)
-        errs = (rel(got[0], want[0]), rel(got[1], want[1]), max(rel(a, b) for a, b in zip(got_g, want_g)))
+        errs = (rel_err(got[0], want[0]), rel_err(got[1], want[1]),
+                max(rel_err(a, b) for a, b in zip(got_g, want_g)))
         rows.append((name, timed(fwd, args, reps), timed(both, args, reps)) + errs)
       except Exception as e:  # a variant that does not compile or run: say why, time the rest
         rows.append((name, None, None, None, None, None))
         print(f"# {name}: {traceback.format_exception_only(type(e), e)[-1].strip()}")
-  finally:
-    (intra_chunk.CHANNEL_DIAG_KERNEL, pallas_diag.RUNNING_SUMS, pallas_diag.NUM_WARPS,
-     pallas_diag.BWD_NUM_WARPS) = saved
   return rows
 
 
@@ -110,9 +116,8 @@ def resources_table(dtype, warps, K=128) -> list:
   x = jax.ShapeDtypeStruct((4, 64, K), dtype)
   g = jax.ShapeDtypeStruct((4, 64, K), jnp.float32)
   ct = jax.ShapeDtypeStruct((4, 4, pallas_diag.SUB, pallas_diag.SUB), jnp.float32)
-  saved = (pallas_diag.RUNNING_SUMS, pallas_diag.NUM_WARPS, pallas_diag.BWD_NUM_WARPS)
   rows = []
-  try:
+  with kept():
     for running, w in itertools.product((False, True), warps):
       pallas_diag.RUNNING_SUMS, pallas_diag.NUM_WARPS, pallas_diag.BWD_NUM_WARPS = running, w, w
 
@@ -120,8 +125,6 @@ def resources_table(dtype, warps, K=128) -> list:
         return jax.vjp(lambda *x: pallas_diag.diag_blocks(*x, False), q, k, g)[1]((a, p))
       for kernel in triton_kernels(jax.jit(both), x, x, g, ct, ct):
         rows.append((running, w, kernel.name, resources(kernel)))
-  finally:
-    pallas_diag.RUNNING_SUMS, pallas_diag.NUM_WARPS, pallas_diag.BWD_NUM_WARPS = saved
   return rows
 
 

@@ -66,7 +66,7 @@ import numpy as np  # noqa: E402
 
 from experiments.cli import SETTINGS, add_autotune_cache, takes  # noqa: E402
 from gdn.bench import autotune_cache  # noqa: E402
-from gdn.bench.op_fns import make_fn, vjp_of  # noqa: E402
+from gdn.bench.op_fns import make_fn, rel_err, vjp_of  # noqa: E402
 from gdn.bench.op_inputs import PRESETS, inputs  # noqa: E402
 from gdn.bench.timing import timed  # noqa: E402
 
@@ -105,12 +105,6 @@ def to_torch(x, device="cpu", requires_grad=False):
 
   t = torch.from_numpy(np.array(x, np.float32)).to(device=device, dtype=getattr(torch, jnp.dtype(x.dtype).name))
   return t.requires_grad_() if requires_grad else t
-
-
-def rel_err(a, b) -> float:
-  """max |a - b| / max |b|, in float64."""
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
 def fla_available(gdn_only: bool):

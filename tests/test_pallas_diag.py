@@ -13,6 +13,7 @@ import pytest
 from gdn.ops import intra_chunk, pallas_diag
 from lowering import cuda_hlo
 from test_ops import assert_close, bfloat16_inputs, make_inputs, oracle, run
+from test_pallas_local import rel_err
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -26,11 +27,6 @@ def _inputs(seed, lead, C, K, strong, dtype=jnp.float32):
   if strong:
     g = np.where(rng.uniform(size=g.shape) < 0.1, -1e4, g)
   return tuple(jnp.asarray(x, dtype) for x in (q, k, g))
-
-
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def _by_loops(q, k, g):
@@ -52,7 +48,7 @@ def test_reference_is_the_definition():
     A, P = pallas_diag.reference(q, k, g)
   for m in range(2):
     want = _by_loops(*(x[0, 16 * m:16 * (m + 1)] for x in (q, k, g)))
-    assert _rel(A[0, m], want[0]) < 1e-12 and _rel(P[0, m], want[1]) < 1e-12
+    assert rel_err(A[0, m], want[0]) < 1e-12 and rel_err(P[0, m], want[1]) < 1e-12
 
 
 # (lead, C, K, strong): two sub-chunks; K padded (20 -> 32) with total forgettings; four sub-chunks, two lead axes.
@@ -79,10 +75,10 @@ def test_forward_and_backward_equal_the_float64_reference(running, lead, C, K, s
     (A0, P0), vjp0 = jax.vjp(pallas_diag.reference, *x64)
     grads0 = vjp0(tuple(c.astype(jnp.float64) for c in cts))
   assert A.dtype == P.dtype == jnp.float32 and A.shape == P.shape == shape
-  assert _rel(A, A0) < 1e-6 and _rel(P, P0) < 1e-6, (_rel(A, A0), _rel(P, P0))
+  assert rel_err(A, A0) < 1e-6 and rel_err(P, P0) < 1e-6, (rel_err(A, A0), rel_err(P, P0))
   for name, a, b, x in zip("qkg", grads, grads0, (q, k, g)):
     assert a.dtype == x.dtype and np.isfinite(np.asarray(a)).all()
-    assert _rel(a, b) < 2e-6, (name, _rel(a, b))
+    assert rel_err(a, b) < 2e-6, (name, rel_err(a, b))
 
 
 def test_bfloat16_inputs_give_bfloat16_cotangents():
@@ -92,7 +88,7 @@ def test_bfloat16_inputs_give_bfloat16_cotangents():
   assert (dq.dtype, dk.dtype, dg.dtype) == (jnp.bfloat16,) * 3
   with jax.enable_x64(True):
     A0, P0 = pallas_diag.reference(*(x.astype(jnp.float64) for x in (q, k, g)))
-  assert _rel(A, A0) < 1e-6 and _rel(P, P0) < 1e-6  # float32 work on the bfloat16 values
+  assert rel_err(A, A0) < 1e-6 and rel_err(P, P0) < 1e-6  # float32 work on the bfloat16 values
 
 
 def test_dyadic_stage_with_the_kernel_equals_xla(monkeypatch):
@@ -106,7 +102,7 @@ def test_dyadic_stage_with_the_kernel_equals_xla(monkeypatch):
   assert "gdn_channel_diag_blocks" in str(jaxpr)
   got = jax.jit(lambda *a: intra_chunk._pair_channel_dyadic(*a, dot))(q, k, g)
   for a, b in zip(got, want):
-    assert _rel(a, b) < 1e-6
+    assert rel_err(a, b) < 1e-6
 
 
 def _kda(seed, T, H, HV, K, V, strong):
@@ -173,6 +169,6 @@ def test_compiled_on_gpu(running, dtype):
     (A0, P0), vjp0 = jax.vjp(pallas_diag.reference, *(x.astype(jnp.float64) for x in (q, k, g)))
     grads0 = vjp0(tuple(c.astype(jnp.float64) for c in cts))
   tol = 1e-5 if dtype == "float32" else 1e-2  # bfloat16: the cotangents come back rounded
-  assert _rel(A, A0) < 1e-5 and _rel(P, P0) < 1e-5
+  assert rel_err(A, A0) < 1e-5 and rel_err(P, P0) < 1e-5
   for a, b in zip(grads, grads0):
-    assert _rel(a, b) < tol
+    assert rel_err(a, b) < tol

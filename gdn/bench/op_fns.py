@@ -4,6 +4,7 @@ function of (q, k, v, g, beta), and a function's forward+backward with its cotan
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from gdn.bench.plain_port import plain_port
 from gdn.ops import gated_delta_rule
@@ -39,3 +40,9 @@ def vjp_of(f):
     return vjp(cts)
 
   return fwd_bwd
+
+
+def rel_err(a, b) -> float:
+  """max |a - b| / max |b|, in float64: how the benchmarks report a result's error against a reference."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
