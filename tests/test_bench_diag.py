@@ -20,6 +20,20 @@ def test_runs_every_variant_and_restores_the_settings(capsys):
   assert (intra_chunk.CHANNEL_DIAG_KERNEL, pallas_diag.RUNNING_SUMS, pallas_diag.NUM_WARPS) == before
 
 
+def test_key_slices_are_variants_and_bad_blocks_are_refused(capsys):
+  out = bench_diag.main(["--shapes", "1,32,1,32", "--running", "on", "--warps", "1", "--block-k", "all,16", "--reps",
+                         "1", "--dtype", "float32"])
+  rows = out[(1, 32, 1, 32)]
+  assert [r[0] for r in rows] == [
+      "XLA levels", "kernel, running sums, 1 warps", "kernel, running sums, 1 warps, keys by 16"]
+  assert max(max(r[3:]) for r in rows) < 1e-5
+  assert (pallas_diag.BLOCK_K, pallas_diag.BWD_BLOCK_K) == (None, None)
+  for bad in ("24", "8", "x"):
+    with pytest.raises(SystemExit):
+      bench_diag.main(["--block-k", bad])
+  assert "--block-k takes" in capsys.readouterr().err
+
+
 def test_rejects_a_length_of_no_whole_sub_chunks():
   with pytest.raises(ValueError, match="multiple of 16"):
     bench_diag.sub_chunks((1, 40, 1, 16), "float32")
@@ -30,9 +44,9 @@ def test_resources_offline_for_sm90():
   neither spills, with scans or running sums (the running sums' forward needs no shared memory at all)."""
   pytest.importorskip("triton")
   rows = bench_diag.main(["--resources", "--warps", "8"])
-  assert [(r, w, n) for r, w, n, _ in rows] == [
-      (False, 8, "gdn_channel_diag_blocks"), (False, 8, "gdn_channel_diag_blocks_bwd"),
-      (True, 8, "gdn_channel_diag_blocks"), (True, 8, "gdn_channel_diag_blocks_bwd")]
-  for running, _, name, res in rows:
+  assert [(r, w, b, n) for r, w, b, n, _ in rows] == [
+      (False, 8, None, "gdn_channel_diag_blocks"), (False, 8, None, "gdn_channel_diag_blocks_bwd"),
+      (True, 8, None, "gdn_channel_diag_blocks"), (True, 8, None, "gdn_channel_diag_blocks_bwd")]
+  for running, _, _, name, res in rows:
     assert 0 < res["registers"] <= 255 and res["spill_stores"] == 0, (running, name, res)
-  assert rows[2][3]["shared"] == 0
+  assert rows[2][4]["shared"] == 0

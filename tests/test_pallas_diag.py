@@ -81,6 +81,32 @@ def test_forward_and_backward_equal_the_float64_reference(running, lead, C, K, s
     assert rel_err(a, b) < 2e-6, (name, rel_err(a, b))
 
 
+@pytest.mark.parametrize("block_k, bwd_block_k", [(16, 16), (None, 16), (32, None)])
+def test_key_slices_equal_the_float64_reference(monkeypatch, block_k, bwd_block_k):
+  """Programs over (sub-chunk, slice of keys) (`BLOCK_K`, `BWD_BLOCK_K`): the forward's partial blocks summed, the
+  backward's slices independent; K = 20 padded to 32, with total forgettings."""
+  monkeypatch.setattr(pallas_diag, "RUNNING_SUMS", True)
+  monkeypatch.setattr(pallas_diag, "BLOCK_K", block_k)
+  monkeypatch.setattr(pallas_diag, "BWD_BLOCK_K", bwd_block_k)
+  q, k, g = _inputs(5, (2,), 32, 20, strong=True)
+  cts = tuple(jnp.asarray(np.random.default_rng(6).normal(size=(2, 2, 16, 16)), jnp.float32) for _ in range(2))
+  (A, P), vjp = jax.vjp(lambda *a: pallas_diag.diag_blocks(*a, True), q, k, g)
+  grads = jax.jit(vjp)(cts)
+  with jax.enable_x64(True):
+    (A0, P0), vjp0 = jax.vjp(pallas_diag.reference, *(x.astype(jnp.float64) for x in (q, k, g)))
+    grads0 = vjp0(tuple(c.astype(jnp.float64) for c in cts))
+  assert rel_err(A, A0) < 1e-6 and rel_err(P, P0) < 1e-6, (rel_err(A, A0), rel_err(P, P0))
+  for name, a, b in zip("qkg", grads, grads0):
+    assert rel_err(a, b) < 2e-6, (name, rel_err(a, b))
+
+
+def test_a_key_block_must_be_a_power_of_two(monkeypatch):
+  monkeypatch.setattr(pallas_diag, "BLOCK_K", 24)
+  q, k, g = _inputs(7, (1,), 16, 64, strong=False)
+  with pytest.raises(ValueError, match="power of two >= 16, got 24"):
+    pallas_diag.diag_blocks(q, k, g, True)
+
+
 def test_bfloat16_inputs_give_bfloat16_cotangents():
   q, k, g = _inputs(3, (2,), 32, 16, strong=False, dtype=jnp.bfloat16)
   (A, P), vjp = jax.vjp(lambda *a: pallas_diag.diag_blocks(*a, True), q, k, g)

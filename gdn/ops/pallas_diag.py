@@ -11,19 +11,20 @@ For one sub-chunk with queries q, keys k and log-decays g [c, K] (every g <= 0),
 
 the pairs whose decay spans no sub-chunk boundary: the dyadic levels below SUB of `_pair_channel_dyadic`, which
 XLA runs as four rounds of small batched matmuls, exponentials and block assemblies over the whole [L, C, K]
-layout. Here one program takes one sub-chunk and loops over its c columns j: E for column j is a cumulative sum
-over t of the log-decays after j (`where(l > j, g, 0)`; with RUNNING_SUMS a running sum over the columns in
-descending order), a sum of non-positive terms, so exact whatever the gates (no e^{+x}, no difference of two long
-sums, as `intra_chunk` requires), then one exponential and two reductions over the keys; everything in float32
-registers, the inputs read once. This is the token-parallel idea of fla's
-`chunk_kda_fwd_kernel_intra_token_parallel` (whose exponents are differences of the chunk's cumulative sums),
-with gdn's exact span sums.
+layout. Here one program takes one sub-chunk (or, with BLOCK_K, one slice of its keys) and loops over its c
+columns j: E for column j is a running sum over the columns in descending order (RUNNING_SUMS; or a cumulative
+sum over t of the log-decays after j, `where(l > j, g, 0)`), a sum of non-positive terms, so exact whatever the
+gates (no e^{+x}, no difference of two long sums, as `intra_chunk` requires), then one exponential and two
+reductions over the keys; everything in float32 registers, the inputs read once. This is the token-parallel idea
+of fla's `chunk_kda_fwd_kernel_intra_token_parallel` (whose exponents are differences of the chunk's cumulative
+sums), with gdn's exact span sums.
 
-Backward, same grid and loop: with w_t = dA_tj k_t + dP_tj q_t and Z_t = w_t k_j e^{E_tj} (t > j),
-dq_t += dP_tj k_j e^{E_tj}, dk_t += dA_tj k_j e^{E_tj}, dk_j += sum_t w_t e^{E_tj}; and the log-decay g_l, which
-every pair j < l <= t spans, gets dg_l = sum_{t >= l} (R_t - Cc_t), R_t = sum_j Z_tj (row t's pairs) and
-Cc_t = sum_i Z_it (column t's pairs): the pairs of the rows from l on, less those that start at or after l. That
-last sum runs inside the kernel as a product with the 0/1 matrix [t >= l], at float32 precision.
+Backward, same loop (with BWD_BLOCK_K, its grid over slices of the keys): with w_t = dA_tj k_t + dP_tj q_t and
+Z_t = w_t k_j e^{E_tj} (t > j), dq_t += dP_tj k_j e^{E_tj}, dk_t += dA_tj k_j e^{E_tj}, dk_j += sum_t w_t e^{E_tj};
+and the log-decay g_l, which every pair j < l <= t spans, gets dg_l = sum_{t >= l} (R_t - Cc_t),
+R_t = sum_j Z_tj (row t's pairs) and Cc_t = sum_i Z_it (column t's pairs): the pairs of the rows from l on, less
+those that start at or after l. That last sum runs inside the kernel as a product with the 0/1 matrix [t >= l],
+at float32 precision.
 
 Triton constraints kept, as `pallas_local`'s: power-of-two blocks, static ref slices, no slicing of loaded values,
 no reverse cumulative sums (Pallas' Triton lowering has none), 2-D dots of at least 16 along every dimension.
@@ -42,15 +43,26 @@ from jax.experimental.pallas import triton as pl_triton
 from gdn.ops.pallas_common import default_interpret, kernel_precision, pow2
 
 SUB = 16  # the sub-chunk: the blocks' rows and columns (Triton's smallest dot dimension)
+# The kernels' settings, all read at trace time and timed by `experiments/bench_diag.py`; the defaults are the
+# fastest of its H100 runs of 2026-12-06 at (4, 2048, 16, 128) and (2, 16384, 16, 128)
+# (results/benchmarks/h100_2026-12-06/kda_diag_settings*.txt): forward 0.31 and 0.89 ms against 1.12 ms (first
+# shape) for the first version (scans, 4 warps), backward 0.56 and 1.80 ms against 1.27.
+#
 # Warps of the forward and backward programs (one [SUB, Kp] tile each: at Kp = 128, 2,048 float32 elements).
-NUM_WARPS = 4
+NUM_WARPS = 8
 BWD_NUM_WARPS = 4
-# How a column's exponents are formed: False (as timed on the card, 2026-12-06), a cumulative sum over the rows of
-# `where(l > j, g_l, 0)` for each column j; True, running sums with the columns in descending order,
+# How a column's exponents are formed: True, running sums with the columns in descending order,
 # E_j = where(t > j, E_{j+1} + g_{j+1}, 0) (row j + 1 of g read from the ref): no scan across the tile's rows, one
-# add and one select a column. Both are sums of the same non-positive terms (exact for any g), in another order.
-# Read at trace time; `experiments/bench_diag.py` times both.
-RUNNING_SUMS = False
+# add and one select a column; False (the first version), a cumulative sum over the rows of `where(l > j, g_l, 0)`
+# for each column j. Both are sums of the same non-positive terms (exact for any g), in another order.
+RUNNING_SUMS = True
+# The keys each program takes: None, all Kp of them (one program per sub-chunk); or a power of two >= 16 below Kp,
+# a grid of (sub-chunk, slice of keys). The backward has no sum over the keys, so its slices are independent
+# programs with smaller tiles; the forward's A and P are sums over the keys, so each slice writes its partial
+# blocks and XLA adds the Kp / BLOCK_K of them. Slices of 32 or 64 keys were not faster than all of them at the
+# warps above (they were at 2 and 4 forward warps, and at 8 backward warps).
+BLOCK_K: Optional[int] = None
+BWD_BLOCK_K: Optional[int] = None
 
 
 def _iota(shape, axis):
@@ -133,8 +145,23 @@ def _flat(q, k, g):
   return tuple(_pad_k(x, Kp).reshape(-1, SUB, Kp) for x in (q, k, g))
 
 
-def _specs(*shapes):
-  return [pl.BlockSpec((None,) + s, lambda i, n=len(s): (i,) + (0,) * n) for s in shapes]
+def _block_k(Kp: int, setting: Optional[int]) -> int:
+  """The keys a program takes for a BLOCK_K / BWD_BLOCK_K setting at padded width Kp."""
+  if setting is None or setting >= Kp:
+    return Kp
+  if setting < SUB or setting & (setting - 1):
+    raise ValueError(f"pallas_diag: a key block must be a power of two >= {SUB}, got {setting}")
+  return setting
+
+
+def _keys_spec(bk):
+  """[R, SUB, Kp] inputs and outputs, block (sub-chunk i, key slice j)."""
+  return pl.BlockSpec((None, SUB, bk), lambda i, j: (i, 0, j))
+
+
+def _blocks_spec():
+  """[R, SUB, SUB] inputs (the cotangents), the same block for every key slice."""
+  return pl.BlockSpec((None, SUB, SUB), lambda i, j: (i, 0, 0))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -149,15 +176,17 @@ def _forward(q, k, g, interpret):
   lead, C = k.shape[:-2], k.shape[-2]
   qf, kf, gf = _flat(q, k, g)
   R, _, Kp = kf.shape
-  out = jax.ShapeDtypeStruct((R, SUB, SUB), jnp.float32)
+  bk = _block_k(Kp, BLOCK_K)
+  nk = Kp // bk
+  out = jax.ShapeDtypeStruct((R, nk, SUB, SUB), jnp.float32)  # the partial blocks of each key slice
+  part = pl.BlockSpec((None, None, SUB, SUB), lambda i, j: (i, j, 0, 0))
   A, P = pl.pallas_call(
-      functools.partial(_fwd_kernel, running=RUNNING_SUMS), grid=(R,),
-      in_specs=_specs((SUB, Kp), (SUB, Kp), (SUB, Kp)),
-      out_specs=_specs((SUB, SUB), (SUB, SUB)), out_shape=[out, out], interpret=interpret,
+      functools.partial(_fwd_kernel, running=RUNNING_SUMS), grid=(R, nk),
+      in_specs=[_keys_spec(bk)] * 3, out_specs=[part, part], out_shape=[out, out], interpret=interpret,
       name="gdn_channel_diag_blocks",
       compiler_params=pl_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=1))(qf, kf, gf)
   shape = lead + (C // SUB, SUB, SUB)
-  return A.reshape(shape), P.reshape(shape)
+  return A.sum(1).reshape(shape), P.sum(1).reshape(shape)
 
 
 def _diag_fwd(q, k, g, interpret):
@@ -170,13 +199,14 @@ def _diag_bwd(interpret, res, cts):
   lead, (C, K) = k.shape[:-2], k.shape[-2:]
   qf, kf, gf = _flat(q, k, g)
   R, _, Kp = kf.shape
+  bk = _block_k(Kp, BWD_BLOCK_K)
   dA, dP = (x.astype(jnp.float32).reshape(R, SUB, SUB) for x in (dA, dP))
   out = jax.ShapeDtypeStruct((R, SUB, Kp), jnp.float32)
   exact = kernel_precision(jax.lax.Precision.HIGHEST, interpret)
   dq, dk, dg = pl.pallas_call(
-      functools.partial(_bwd_kernel, exact=exact, running=RUNNING_SUMS), grid=(R,),
-      in_specs=_specs((SUB, Kp), (SUB, Kp), (SUB, Kp), (SUB, SUB), (SUB, SUB)),
-      out_specs=_specs((SUB, Kp), (SUB, Kp), (SUB, Kp)), out_shape=[out, out, out], interpret=interpret,
+      functools.partial(_bwd_kernel, exact=exact, running=RUNNING_SUMS), grid=(R, Kp // bk),
+      in_specs=[_keys_spec(bk)] * 3 + [_blocks_spec()] * 2,
+      out_specs=[_keys_spec(bk)] * 3, out_shape=[out, out, out], interpret=interpret,
       name="gdn_channel_diag_blocks_bwd",
       compiler_params=pl_triton.CompilerParams(num_warps=BWD_NUM_WARPS, num_stages=1))(qf, kf, gf, dA, dP)
   back = lambda d, x: d[..., :K].reshape(lead + (C, K)).astype(x.dtype)
