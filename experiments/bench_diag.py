@@ -2,8 +2,10 @@
 they replace (`intra_chunk._pair_channel_dyadic` on chunks of 16 positions with `CHANNEL_DIAG_KERNEL` off), over
 the kernels' settings: the exponents by scans or running sums (`pallas_diag.RUNNING_SUMS`), the warps of both
 programs (`NUM_WARPS`, `BWD_NUM_WARPS`) and the keys a program takes (`BLOCK_K`, `BWD_BLOCK_K`, both set to the
-same --block-k value: "all" one program per sub-chunk, a number a grid over slices of that many keys). Every
-combination of --running, --warps and --block-k is one variant.
+same --block-k value: "all" one program per sub-chunk, a number a grid over slices of that many keys) and the
+backward's sums over a column's rows (`BWD_ROW_LOOP`, --bwd-row-loop: off, reduced across the rows at every
+column; on, a second loop over the rows). Every combination of --running, --warps, --block-k and --bwd-row-loop
+is one variant (the second loop needs running sums: with scans it is left out).
 
 Shapes are (B, T, H, D): B * H * T / 16 sub-chunks of 16 positions, K = D; q, k in --dtype, g float32 log-decays
 drawn in [log 0.9, 0] as the op benchmarks draw them. Per variant: median ms of the forward (A and P) and of the
@@ -18,6 +20,7 @@ Triton (`gdn.bench.kernel_resources`, any host) and their registers, spills and 
 
   python -m experiments.bench_diag                                    # two shapes, every setting, bfloat16
   python -m experiments.bench_diag --running on --warps 2,4,8 --block-k all,64,32   # running sums, key slices
+  python -m experiments.bench_diag --running on --warps 4,8 --bwd-row-loop off,on   # the backward's two loops
   python -m experiments.bench_diag --shapes 1,128,1,32 --warps 4 --reps 1   # CPU smoke (the interpreter)
   python -m experiments.bench_diag --resources                        # registers and spills, no GPU needed
 """
@@ -76,7 +79,8 @@ def xla_levels(prec):
 def kept():
   """Puts the module settings that the variants change back as they were on leaving."""
   settings = [(intra_chunk, "CHANNEL_DIAG_KERNEL")] + [
-      (pallas_diag, n) for n in ("RUNNING_SUMS", "NUM_WARPS", "BWD_NUM_WARPS", "BLOCK_K", "BWD_BLOCK_K")]
+      (pallas_diag, n) for n in ("RUNNING_SUMS", "NUM_WARPS", "BWD_NUM_WARPS", "BLOCK_K", "BWD_BLOCK_K",
+                                 "BWD_ROW_LOOP")]
   saved = [(m, n, getattr(m, n)) for m, n in settings]
   try:
     yield
@@ -85,19 +89,22 @@ def kept():
       setattr(m, n, v)
 
 
-def settings(running, warps, blocks):
-  """Every (RUNNING_SUMS, warps, key block) combination, key block None for all keys."""
-  return list(itertools.product(running, warps, blocks))
+def settings(running, warps, blocks, row_loops=(False,)):
+  """Every (RUNNING_SUMS, warps, key block, BWD_ROW_LOOP) combination, key block None for all keys; the second loop
+  only with running sums (it forms its exponents that way)."""
+  return [c for c in itertools.product(running, warps, blocks, row_loops) if c[0] or not c[3]]
 
 
-def setting_name(running, w, bk) -> str:
+def setting_name(running, w, bk, row_loop=False) -> str:
   keys = "" if bk is None else f", keys by {bk}"
-  return f"kernel, {'running sums' if running else 'scans'}, {w} warps{keys}"
+  loops = ", two-loop backward" if row_loop else ""
+  return f"kernel, {'running sums' if running else 'scans'}, {w} warps{keys}{loops}"
 
 
-def apply(running, w, bk):
+def apply(running, w, bk, row_loop=False):
   pallas_diag.RUNNING_SUMS, pallas_diag.NUM_WARPS, pallas_diag.BWD_NUM_WARPS = running, w, w
   pallas_diag.BLOCK_K = pallas_diag.BWD_BLOCK_K = bk
+  pallas_diag.BWD_ROW_LOOP = row_loop
 
 
 def measure(shape, dtype, combos, reps, prec):
@@ -128,8 +135,9 @@ def measure(shape, dtype, combos, reps, prec):
 
 
 def resources_table(dtype, combos, K=128) -> list:
-  """Rows of (RUNNING_SUMS, warps, key block, kernel, resources dict) for both kernels at every setting, compiled
-  offline for sm_90 (a program's tile does not depend on the shape, so one small shape stands for all)."""
+  """Rows of (RUNNING_SUMS, warps, key block, BWD_ROW_LOOP, kernel, resources dict) for both kernels at every
+  setting, compiled offline for sm_90 (a program's tile does not depend on the shape, so one small shape stands
+  for all)."""
   from gdn.bench.kernel_resources import resources, triton_kernels
 
   x = jax.ShapeDtypeStruct((4, 64, K), dtype)
@@ -137,13 +145,13 @@ def resources_table(dtype, combos, K=128) -> list:
   ct = jax.ShapeDtypeStruct((4, 4, pallas_diag.SUB, pallas_diag.SUB), jnp.float32)
   rows = []
   with kept():
-    for running, w, bk in combos:
-      apply(running, w, bk)
+    for running, w, bk, row_loop in combos:
+      apply(running, w, bk, row_loop)
 
       def both(q, k, g, a, p):  # a new function each time: jit caches by function, and the settings are read at trace
         return jax.vjp(lambda *x: pallas_diag.diag_blocks(*x, False), q, k, g)[1]((a, p))
       for kernel in triton_kernels(jax.jit(both), x, x, g, ct, ct):
-        rows.append((running, w, bk, kernel.name, resources(kernel)))
+        rows.append((running, w, bk, row_loop, kernel.name, resources(kernel)))
   return rows
 
 
@@ -153,6 +161,7 @@ def main(argv=None):
   p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="q and k")
   p.add_argument("--running", default="off,on", help="RUNNING_SUMS settings to try: off, on or off,on")
   p.add_argument("--warps", default="1,2,4,8", help="the kernels' warps to try, comma-separated")
+  p.add_argument("--bwd-row-loop", default="off", help="BWD_ROW_LOOP settings to try: off, on or off,on")
   p.add_argument("--block-k", default="all",
                  help="keys a program takes (BLOCK_K and BWD_BLOCK_K), comma-separated: all, or powers of two >= 16")
   p.add_argument("--reps", type=int, default=20)
@@ -160,26 +169,29 @@ def main(argv=None):
                  help="print the kernels' registers, spills and shared memory for sm_90 (offline, any host) and exit")
   a = p.parse_args(argv)
   flags = {"off": False, "on": True}
-  if any(r not in flags for r in a.running.split(",")):
-    p.error(f"--running takes off, on or off,on, got {a.running!r}")
+  for name, value in (("--running", a.running), ("--bwd-row-loop", a.bwd_row_loop)):
+    if any(r not in flags for r in value.split(",")):
+      p.error(f"{name} takes off, on or off,on, got {value!r}")
   try:
     blocks = [None if b == "all" else int(b) for b in a.block_k.split(",")]
   except ValueError:
     p.error(f"--block-k takes 'all' or powers of two >= 16, comma-separated, got {a.block_k!r}")
   if any(b is not None and (b < pallas_diag.SUB or b & (b - 1)) for b in blocks):
     p.error(f"--block-k takes 'all' or powers of two >= 16, got {a.block_k!r}")
-  combos = settings([flags[r] for r in a.running.split(",")], [int(w) for w in a.warps.split(",")], blocks)
+  combos = settings([flags[r] for r in a.running.split(",")], [int(w) for w in a.warps.split(",")], blocks,
+                    [flags[r] for r in a.bwd_row_loop.split(",")])
   dtype = jnp.dtype(a.dtype)
   if a.resources:
     print(f"# pallas_diag's kernels compiled offline for sm_90 (the installed Triton, its ptxas -v); {a.dtype} q, k, "
           "float32 g, K = 128")
-    print("| RUNNING_SUMS | warps | keys a program | kernel | registers | spill stores B | spill loads B | "
-          "shared KiB |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|")
+    print("| RUNNING_SUMS | warps | keys a program | BWD_ROW_LOOP | kernel | registers | spill stores B | "
+          "spill loads B | shared KiB |")
+    print("|---|---:|---:|---|---|---:|---:|---:|---:|")
     rows = resources_table(dtype, combos)
-    for running, w, bk, name, r in rows:
-      print(f"| {'on' if running else 'off'} | {w} | {'all' if bk is None else bk} | {name} | {r['registers']} | "
-            f"{r['spill_stores']} | {r['spill_loads']} | {r['shared'] / 1024:.0f} |")
+    onoff = lambda x: "on" if x else "off"
+    for running, w, bk, row_loop, name, r in rows:
+      print(f"| {onoff(running)} | {w} | {'all' if bk is None else bk} | {onoff(row_loop)} | {name} | "
+            f"{r['registers']} | {r['spill_stores']} | {r['spill_loads']} | {r['shared'] / 1024:.0f} |")
     return rows
   prec = jax.lax.Precision.DEFAULT if dtype.itemsize == 2 else jax.lax.Precision.HIGHEST
   print(f"# pallas_diag against XLA's dyadic levels below 16; {jax.devices()[0].device_kind}, jax {jax.__version__}; "

@@ -20,18 +20,22 @@ def test_runs_every_variant_and_restores_the_settings(capsys):
   assert (intra_chunk.CHANNEL_DIAG_KERNEL, pallas_diag.RUNNING_SUMS, pallas_diag.NUM_WARPS) == before
 
 
-def test_key_slices_are_variants_and_bad_blocks_are_refused(capsys):
-  out = bench_diag.main(["--shapes", "1,32,1,32", "--running", "on", "--warps", "1", "--block-k", "all,16", "--reps",
-                         "1", "--dtype", "float32"])
+def test_key_slices_and_two_loops_are_variants_and_bad_settings_are_refused(capsys):
+  out = bench_diag.main(["--shapes", "1,32,1,32", "--running", "off,on", "--warps", "1", "--block-k", "all,16",
+                         "--bwd-row-loop", "off,on", "--reps", "1", "--dtype", "float32"])
   rows = out[(1, 32, 1, 32)]
+  # the two-loop backward runs with running sums only
   assert [r[0] for r in rows] == [
-      "XLA levels", "kernel, running sums, 1 warps", "kernel, running sums, 1 warps, keys by 16"]
+      "XLA levels", "kernel, scans, 1 warps", "kernel, scans, 1 warps, keys by 16", "kernel, running sums, 1 warps",
+      "kernel, running sums, 1 warps, two-loop backward", "kernel, running sums, 1 warps, keys by 16",
+      "kernel, running sums, 1 warps, keys by 16, two-loop backward"]
   assert max(max(r[3:]) for r in rows) < 1e-5
-  assert (pallas_diag.BLOCK_K, pallas_diag.BWD_BLOCK_K) == (None, None)
-  for bad in ("24", "8", "x"):
+  assert (pallas_diag.BLOCK_K, pallas_diag.BWD_BLOCK_K, pallas_diag.BWD_ROW_LOOP) == (None, None, False)
+  for flag, bad in (("--block-k", "24"), ("--block-k", "8"), ("--block-k", "x"), ("--bwd-row-loop", "yes")):
     with pytest.raises(SystemExit):
-      bench_diag.main(["--block-k", bad])
-  assert "--block-k takes" in capsys.readouterr().err
+      bench_diag.main([flag, bad])
+  err = capsys.readouterr().err
+  assert "--block-k takes" in err and "--bwd-row-loop takes" in err
 
 
 def test_rejects_a_length_of_no_whole_sub_chunks():
@@ -44,9 +48,9 @@ def test_resources_offline_for_sm90():
   neither spills, with scans or running sums (the running sums' forward needs no shared memory at all)."""
   pytest.importorskip("triton")
   rows = bench_diag.main(["--resources", "--warps", "8"])
-  assert [(r, w, b, n) for r, w, b, n, _ in rows] == [
+  assert [(r, w, b, n) for r, w, b, _, n, _ in rows] == [
       (False, 8, None, "gdn_channel_diag_blocks"), (False, 8, None, "gdn_channel_diag_blocks_bwd"),
       (True, 8, None, "gdn_channel_diag_blocks"), (True, 8, None, "gdn_channel_diag_blocks_bwd")]
-  for running, _, _, name, res in rows:
+  for running, _, _, _, name, res in rows:
     assert 0 < res["registers"] <= 255 and res["spill_stores"] == 0, (running, name, res)
-  assert rows[2][4]["shared"] == 0
+  assert rows[2][5]["shared"] == 0

@@ -55,10 +55,12 @@ def test_reference_is_the_definition():
 CASES = [((2,), 32, 16, False), ((3,), 16, 20, True), ((1, 2), 64, 32, True)]
 
 
-@pytest.fixture(params=[False, True], ids=["scans", "running"])
+@pytest.fixture(params=[(False, False), (True, False), (True, True)], ids=["scans", "running", "two loops"])
 def running(request, monkeypatch):
-  """Both ways of forming the exponents (`pallas_diag.RUNNING_SUMS`)."""
-  monkeypatch.setattr(pallas_diag, "RUNNING_SUMS", request.param)
+  """Both ways of forming the exponents (`pallas_diag.RUNNING_SUMS`), and the backward's second loop over the rows
+  (`BWD_ROW_LOOP`)."""
+  monkeypatch.setattr(pallas_diag, "RUNNING_SUMS", request.param[0])
+  monkeypatch.setattr(pallas_diag, "BWD_ROW_LOOP", request.param[1])
   return request.param
 
 

@@ -63,6 +63,13 @@ RUNNING_SUMS = True
 # warps above (they were at 2 and 4 forward warps, and at 8 backward warps).
 BLOCK_K: Optional[int] = None
 BWD_BLOCK_K: Optional[int] = None
+# The backward's sums over the rows of a column (dk's column part, dk_j += sum_t w_t e^{E_tj}, and dg's column
+# pairs): False, reduced across the tile's rows at every column step (through shared memory where the rows are
+# spread over warps); True, from a second loop over the rows t in ascending order whose tile is indexed by the
+# columns j, with running sums E^(t)_j = where(j < t, E^(t-1)_j + g_t, 0): every sum elementwise, no reduction
+# across the rows, for a second exponential a pair (its first loop takes running sums whatever RUNNING_SUMS).
+# Both are sums of the same terms, in another order. Off until the card times it.
+BWD_ROW_LOOP = False
 
 
 def _iota(shape, axis):
@@ -72,13 +79,14 @@ def _iota(shape, axis):
 def _columns(g, g_ref, running: bool):
   """(j, E) for every column j, E [c, Kp] the exponents E_t = sum_{j < l <= t} g_l (0 for t <= j): each a cumulative
   sum over the rows (j ascending), or with `running` a running sum (j descending, RUNNING_SUMS)."""
-  c = g.shape[0]
-  row = _iota(g.shape, 0)
+  shape = g_ref.shape
+  c = shape[0]
+  row = _iota(shape, 0)
   if not running:
     for j in range(c):
       yield j, jax.lax.cumsum(jnp.where(row > j, g, 0.0), axis=0)
     return
-  E = jnp.zeros(g.shape, jnp.float32)
+  E = jnp.zeros(shape, jnp.float32)
   for j in range(c - 1, -1, -1):
     if j < c - 1:
       E = jnp.where(row > j, E + g_ref[pl.ds(j + 1, 1), :].astype(jnp.float32), 0.0)
@@ -125,6 +133,52 @@ def _bwd_kernel(q_ref, k_ref, g_ref, da_ref, dp_ref, dq_ref, dk_ref, dg_ref, *, 
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dims = (((1,), (0,)), ((), ()))
   dg_ref[...] = jax.lax.dot_general(later, R - Cc, dims, precision=exact,
+                                    preferred_element_type=f32).astype(dg_ref.dtype)
+
+
+def _bwd_two_loops_kernel(q_ref, k_ref, g_ref, da_ref, dp_ref, dat_ref, dpt_ref, dq_ref, dk_ref, dg_ref, *, exact):
+  """`_bwd_kernel` (running sums) with its sums over the rows moved into a loop of their own (BWD_ROW_LOOP); dat_ref
+  and dpt_ref hold dA and dP transposed, so that a row t of them is read as a column over j. Both loops are
+  `fori_loop`s: unrolled, Triton hoists every row's loads and holds them (offline for sm_90, 255 registers and
+  spills at 8 warps, against 187 and 175 at 4 and 8 warps as loops)."""
+  c, Kp = k_ref.shape
+  f32 = jnp.float32
+  q, k = (r[...].astype(f32) for r in (q_ref, k_ref))
+  row = _iota((c, Kp), 0)
+  col1 = _iota((c, 1), 0)
+  row_of = lambda ref, i: ref[pl.ds(i, 1), :].astype(f32)  # [1, Kp]
+
+  def by_rows(t, carry):
+    # tile rows j, row t of the sub-chunk: S_j = sum_{t >= j} w_t e^{E_tj} (dk's column part) and the same over
+    # t > j (column j's pairs, whose sum for dg is k_j times it), E_tj a running sum over t
+    S, S_off, E = carry
+    E = jnp.where(row < t, E + row_of(g_ref, t), 0.0)  # all zero at t = 0
+    a = jnp.where(col1 < t, dat_ref[:, pl.ds(t, 1)], 0.0)  # dA_tj, j < t
+    p = jnp.where(col1 <= t, dpt_ref[:, pl.ds(t, 1)], 0.0)  # dP_tj, j <= t
+    w = (a * row_of(k_ref, t) + p * row_of(q_ref, t)) * jnp.exp(E)
+    return S + w, S_off + jnp.where(row < t, w, 0.0), E
+
+  def by_columns(i, carry):
+    # tile rows t, column j = c - 1 - i: dq, dk's row part, and R (row t's pairs), E a running sum over the
+    # columns in descending order as in `_columns`
+    dq, dk, R, E = carry
+    j = c - 1 - i
+    E = jnp.where(row > j, E + row_of(g_ref, jnp.minimum(j + 1, c - 1)), 0.0)  # all zero at j = c - 1
+    a = jnp.where(col1 > j, da_ref[:, pl.ds(j, 1)], 0.0)  # dA_tj, t > j
+    p = jnp.where(col1 >= j, dp_ref[:, pl.ds(j, 1)], 0.0)  # dP_tj, t >= j
+    ke = row_of(k_ref, j) * jnp.exp(E)
+    return dq + p * ke, dk + a * ke, R + jnp.where(row > j, (a * k + p * q) * ke, 0.0), E
+
+  zero = jnp.zeros((c, Kp), f32)
+  S, S_off, _ = jax.lax.fori_loop(0, c, by_rows, (zero, zero, zero))
+  # the second loop starts from the first's sums, so that only its own four tiles are carried: dk from dk's
+  # column part, and R - Cc from -Cc
+  dq, dk, D, _ = jax.lax.fori_loop(0, c, by_columns, (zero, S, -k * S_off, zero))
+  later = (_iota((c, c), 1) >= _iota((c, c), 0)).astype(f32)  # [l, t]: t >= l
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dims = (((1,), (0,)), ((), ()))
+  dg_ref[...] = jax.lax.dot_general(later, D, dims, precision=exact,
                                     preferred_element_type=f32).astype(dg_ref.dtype)
 
 
@@ -203,12 +257,17 @@ def _diag_bwd(interpret, res, cts):
   dA, dP = (x.astype(jnp.float32).reshape(R, SUB, SUB) for x in (dA, dP))
   out = jax.ShapeDtypeStruct((R, SUB, Kp), jnp.float32)
   exact = kernel_precision(jax.lax.Precision.HIGHEST, interpret)
+  if BWD_ROW_LOOP:
+    kernel = functools.partial(_bwd_two_loops_kernel, exact=exact)
+    cts = (dA, dP, jnp.swapaxes(dA, 1, 2), jnp.swapaxes(dP, 1, 2))
+  else:
+    kernel = functools.partial(_bwd_kernel, exact=exact, running=RUNNING_SUMS)
+    cts = (dA, dP)
   dq, dk, dg = pl.pallas_call(
-      functools.partial(_bwd_kernel, exact=exact, running=RUNNING_SUMS), grid=(R, Kp // bk),
-      in_specs=[_keys_spec(bk)] * 3 + [_blocks_spec()] * 2,
+      kernel, grid=(R, Kp // bk), in_specs=[_keys_spec(bk)] * 3 + [_blocks_spec()] * len(cts),
       out_specs=[_keys_spec(bk)] * 3, out_shape=[out, out, out], interpret=interpret,
       name="gdn_channel_diag_blocks_bwd",
-      compiler_params=pl_triton.CompilerParams(num_warps=BWD_NUM_WARPS, num_stages=1))(qf, kf, gf, dA, dP)
+      compiler_params=pl_triton.CompilerParams(num_warps=BWD_NUM_WARPS, num_stages=1))(qf, kf, gf, *cts)
   back = lambda d, x: d[..., :K].reshape(lead + (C, K)).astype(x.dtype)
   return back(dq, q), back(dk, k), back(dg, g)
 
