@@ -32,6 +32,14 @@ OUTPUT_VJP = False
 # the op then takes no forward-mode derivative (jax.jvp) through g and beta. Off: on the H200 it changed
 # forward+backward by -0.1%, +1.0%, -3.8% at three shapes (results/benchmarks/h200_2026-12-02/scalar_grad_barrier.txt).
 SCALAR_GRAD_BARRIER = False
+# The same for the [B, T, HV, K] inputs (q, k, v, a per-key-channel g, a per-value-channel beta): their cotangents
+# leave the chunk layout through an optimization barrier. Traced at (4, 2048, 16, 128) on an H100 (2026-12-06,
+# KDA, results/benchmarks/h100_2026-12-06/kda_diag_profile.txt), the backward's two largest XLA kernels are
+# transpose fusions (`loop_add_multiply_transpose_fusion` 0.45 ms, `loop_transpose_fusion` 0.38 ms), and the
+# only transposes of that size in the backward's jaxpr are these cotangents' layout changes back to [B, T, HV, K]
+# (dq's is added to the output stage's and scaled: an add and a multiply). Whether the barrier turns them into
+# plain transposes is for the card to tell; off until then.
+TENSOR_GRAD_BARRIER = False
 
 
 def compute_dtype(dtype):
@@ -58,14 +66,15 @@ def _to_chunks(x, N, C, T):
   pad = N * C - T
   if pad:
     x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-  x = _heads_first_barrier(x) if SCALAR_GRAD_BARRIER and x.ndim == 3 else jnp.moveaxis(x, 2, 1)
+  barrier = SCALAR_GRAD_BARRIER if x.ndim == 3 else TENSOR_GRAD_BARRIER
+  x = _heads_first_barrier(x) if barrier else jnp.moveaxis(x, 2, 1)
   return x.reshape(x.shape[:2] + (N, C) + x.shape[3:])
 
 
 @jax.custom_vjp
 def _heads_first_barrier(x):
-  """[B, T, HV] -> [B, HV, T], whose VJP puts an optimization barrier on the cotangent before the transpose back
-  (SCALAR_GRAD_BARRIER)."""
+  """[B, T, HV, ...] -> [B, HV, T, ...], whose VJP puts an optimization barrier on the cotangent before the
+  transpose back (SCALAR_GRAD_BARRIER, TENSOR_GRAD_BARRIER)."""
   return jnp.moveaxis(x, 2, 1)
 
 
