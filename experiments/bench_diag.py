@@ -178,7 +178,13 @@ def main(argv=None):
     p.error(f"--block-k takes 'all' or powers of two >= 16, comma-separated, got {a.block_k!r}")
   if any(b is not None and (b < pallas_diag.SUB or b & (b - 1)) for b in blocks):
     p.error(f"--block-k takes 'all' or powers of two >= 16, got {a.block_k!r}")
-  combos = settings([flags[r] for r in a.running.split(",")], [int(w) for w in a.warps.split(",")], blocks,
+  try:
+    warps = [int(w) for w in a.warps.split(",")]
+  except ValueError:
+    warps = [0]
+  if any(w < 1 or w & (w - 1) for w in warps):
+    p.error(f"--warps takes powers of two (Triton's warps a program), comma-separated, got {a.warps!r}")
+  combos = settings([flags[r] for r in a.running.split(",")], warps, blocks,
                     [flags[r] for r in a.bwd_row_loop.split(",")])
   dtype = jnp.dtype(a.dtype)
   if a.resources:

@@ -31,11 +31,12 @@ def test_key_slices_and_two_loops_are_variants_and_bad_settings_are_refused(caps
       "kernel, running sums, 1 warps, keys by 16, two-loop backward"]
   assert max(max(r[3:]) for r in rows) < 1e-5
   assert (pallas_diag.BLOCK_K, pallas_diag.BWD_BLOCK_K, pallas_diag.BWD_ROW_LOOP) == (None, None, False)
-  for flag, bad in (("--block-k", "24"), ("--block-k", "8"), ("--block-k", "x"), ("--bwd-row-loop", "yes")):
+  for flag, bad in (("--block-k", "24"), ("--block-k", "8"), ("--block-k", "x"), ("--bwd-row-loop", "yes"),
+                    ("--warps", "3"), ("--warps", "four")):
     with pytest.raises(SystemExit):
       bench_diag.main([flag, bad])
   err = capsys.readouterr().err
-  assert "--block-k takes" in err and "--bwd-row-loop takes" in err
+  assert "--block-k takes" in err and "--bwd-row-loop takes" in err and "--warps takes" in err
 
 
 def test_rejects_a_length_of_no_whole_sub_chunks():
