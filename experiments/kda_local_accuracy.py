@@ -1,7 +1,8 @@
 """How close the per-key-channel (KDA) chunk-local forms come to the float64 recurrence, per output and gradient:
 the exact form by pairwise decays inside 16-step sub-chunks (`intra_chunk.CHANNEL_PAIR_DYADIC` off), the exact
-form by dyadic anchors (on), and `gated_delta_rule(..., g_lower_bound=LB)` (KDA's bounded gate: matmuls through
-16-step sub-chunks, their dots' operands in float32 or, `intra_chunk.BOUNDED_LOWP_DOTS`, in bfloat16).
+form by dyadic anchors (on; its level dots' operands in float32 or, `intra_chunk.DYADIC_LOWP_DOTS`, in bfloat16),
+and `gated_delta_rule(..., g_lower_bound=LB)` (KDA's bounded gate: matmuls through 16-step sub-chunks, their dots'
+operands in float32 or, `intra_chunk.BOUNDED_LOWP_DOTS`, in bfloat16).
 
   python -m experiments.kda_local_accuracy            # CPU, about a minute
 
@@ -64,7 +65,8 @@ def rel(a, b) -> float:
 
 # (label, g_lower_bound, module switches) of each form.
 PAIRWISE = ("exact, pairwise decays", None, dict(CHANNEL_PAIR_DYADIC=False))
-DYADIC = ("exact, dyadic anchors", None, dict(CHANNEL_PAIR_DYADIC=True))
+DYADIC = ("exact, dyadic anchors", None, dict(CHANNEL_PAIR_DYADIC=True, DYADIC_LOWP_DOTS=False))
+DYADIC_LOWP = ("exact, dyadic anchors, bfloat16 dots", None, dict(CHANNEL_PAIR_DYADIC=True, DYADIC_LOWP_DOTS=True))
 BOUNDED = ("g_lower_bound=-5", intra_chunk.MIN_G_LOWER_BOUND, dict(BOUNDED_LOWP_DOTS=False))
 BOUNDED_LOWP = ("g_lower_bound=-5, bfloat16 dots", intra_chunk.MIN_G_LOWER_BOUND, dict(BOUNDED_LOWP_DOTS=True))
 
@@ -88,7 +90,7 @@ def main(argv=None) -> list:
           ("float32, g = -1 everywhere", "-1", jnp.float32, every),
           ("float32, g drawn in [-5, 0]", "drawn", jnp.float32, every),
           ("float32, g drawn in [-50, 0]", "strong", jnp.float32, exact),
-          ("bfloat16, g drawn in [-5, 0]", "drawn", jnp.bfloat16, every + (BOUNDED_LOWP,))]
+          ("bfloat16, g drawn in [-5, 0]", "drawn", jnp.bfloat16, every + (DYADIC_LOWP, BOUNDED_LOWP))]
   cols = ["o"] + [f"d{n}" for n in NAMES]
   print(f"# jax {jax.__version__}, {jax.devices()[0].device_kind}; relative error against the float64 recurrence")
   print("| inputs | form | " + " | ".join(cols) + " |")

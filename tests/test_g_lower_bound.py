@@ -185,7 +185,7 @@ def test_accuracy_table_script():
   from experiments import kda_local_accuracy
 
   rows = kda_local_accuracy.main([])
-  assert len(rows) == 15
+  assert len(rows) == 16
   for r in rows:
     tol = 2e-2 if r["inputs"].startswith("bfloat16") else 2e-5
     assert all(r[c] < tol for c in ("o", "dq", "dk", "dv", "dbeta", "dinitial_state")), r

@@ -77,9 +77,36 @@ def test_a_chunk_of_no_power_of_two_takes_the_pairwise_form():
   assert_close(run("chunk", x, chunk_size=24, switches=ON), oracle(x), 2e-5)
 
 
-def test_bfloat16_inputs():
+@pytest.mark.parametrize("lowp_dots", [False, True])
+def test_bfloat16_inputs(monkeypatch, lowp_dots):
+  """bfloat16 q, k, v, beta and g, the level dots' operands in float32 or (DYADIC_LOWP_DOTS) in bfloat16."""
+  monkeypatch.setattr(intra_chunk, "DYADIC_LOWP_DOTS", lowp_dots)
   x_bf, x_ref = bfloat16_inputs(make_inputs(6, 2, 80, 2, 2, 16, 16, "channel", "head", beta_max=1.0))
-  assert_close(run("chunk", x_bf, chunk_size=64, switches=ON), oracle(x_ref), 2e-2)
+  got = run("chunk", x_bf, chunk_size=64, switches=ON + (("DYADIC_LOWP_DOTS", lowp_dots),))
+  assert_close(got, oracle(x_ref), 2e-2)
+
+
+def test_lowp_dots_take_16_bit_operands(monkeypatch):
+  """With DYADIC_LOWP_DOTS the level dots of bfloat16 inputs read bfloat16 operands (and float32 ones without);
+  float32 inputs keep float32 operands either way."""
+  rng = np.random.default_rng(15)
+  q, k = (rng.normal(size=(2, 64, 8)) for _ in range(2))
+  g = -rng.uniform(0, 1, (2, 64, 8))
+
+  def operand_dtypes(dtype, lowp):
+    monkeypatch.setattr(intra_chunk, "DYADIC_LOWP_DOTS", lowp)
+    args = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(g, jnp.float32))
+    f = lambda *a: intra_chunk._pair_channel_dyadic(*a, intra_chunk._dot(jax.lax.Precision.DEFAULT))
+    jaxpr = jax.make_jaxpr(f)(*args)
+    # the level dots: [2, C/2s, s, K] x [2, C/2s, s, K], both operands with four axes (the span sums' dots take a
+    # 2-D 0/1 mask, the diagonal's q . k has three)
+    return [{str(v.aval.dtype) for v in e.invars} for e in equations(jaxpr, "dot_general")
+            if min(v.aval.ndim for v in e.invars) == 4]
+
+  assert len(operand_dtypes(jnp.bfloat16, True)) == 2 * 6  # A's and P's at each of log2(64) levels
+  assert all(d == {"bfloat16"} for d in operand_dtypes(jnp.bfloat16, True))
+  assert all("float32" in d for d in operand_dtypes(jnp.bfloat16, False))  # the decayed columns at least
+  assert all(d == {"float32"} for d in operand_dtypes(jnp.float32, True))
 
 
 def test_no_pairwise_decays(monkeypatch):

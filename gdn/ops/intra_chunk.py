@@ -111,6 +111,13 @@ BOUNDED_LOWP_DOTS = True
 # H200 to 0.89x (forward) and 0.62x (forward+backward), and the KDA 3:1 model's step to 0.87x (docs/benchmarks.md,
 # "KDA's exact form by dyadic anchors").
 CHANNEL_PAIR_DYADIC = True
+# The dyadic form's level dots (`_pair_channel_dyadic`): True, their operands (the keys and queries times their
+# anchored decay factors, each e^{x <= 0}) rounded to the inputs' dtype where it is 16-bit, as BOUNDED_LOWP_DOTS
+# does for the bounded form: half the bytes of the [.., C/2s, s, K] factors and bfloat16 tensor-core products,
+# float32 accumulation; False, float32 operands (at the caller's precision: one TF32 pass for bfloat16 callers on a
+# GPU). Within the bfloat16 tolerance of the float64 oracle (`tests/test_kda_dyadic.py`). Read at trace time. Off
+# until the card times it.
+DYADIC_LOWP_DOTS = False
 # The dyadic form's levels below SUB_CHUNK (the pairs inside each sub-chunk of 16 steps: four rounds of small
 # batched matmuls, exponentials and block assemblies over the whole [L, C, K] layout) as one Pallas kernel per
 # direction, `pallas_diag.diag_blocks`: one program per sub-chunk, exact span sums, its own backward kernel. True,
@@ -345,6 +352,8 @@ def _pair_channel_dyadic(q, k, g, dot):
       k_rows, q_rows = k_rows * e_up, q_rows * e_up
       down = _rev_excl_sums(gl, ax, mode=mode) + gu[..., :1, :]  # sum over (i, a]
     cols = k5[..., 0, :, :] * jnp.exp(down)
+    if DYADIC_LOWP_DOTS and jnp.dtype(k.dtype).itemsize == 2:
+      cols, k_rows, q_rows = (x.astype(k.dtype) for x in (cols, k_rows, q_rows))
     blocks = []
     for W, rows in ((W_A, k_rows), (W_P, q_rows)):
       B = dot("...btk,...bik->...bti", rows, cols).astype(W.dtype)  # [.., nb, s, s]
