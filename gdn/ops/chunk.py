@@ -35,10 +35,10 @@ SCALAR_GRAD_BARRIER = False
 # The same for the [B, T, HV, K] inputs (q, k, v, a per-key-channel g, a per-value-channel beta): their cotangents
 # leave the chunk layout through an optimization barrier. Traced at (4, 2048, 16, 128) on an H100 (2026-12-06,
 # KDA, results/benchmarks/h100_2026-12-06/kda_diag_profile.txt), the backward's two largest XLA kernels are
-# transpose fusions (`loop_add_multiply_transpose_fusion` 0.45 ms, `loop_transpose_fusion` 0.38 ms), and the
-# only transposes of that size in the backward's jaxpr are these cotangents' layout changes back to [B, T, HV, K]
-# (dq's is added to the output stage's and scaled: an add and a multiply). Whether the barrier turns them into
-# plain transposes is for the card to tell; off until then.
+# transpose fusions (`loop_add_multiply_transpose_fusion` 0.45 ms, `loop_transpose_fusion` 0.38 ms), and in the
+# chunk-local stage the only transposes of that size in the backward's jaxpr are these cotangents' layout changes
+# back to [B, T, HV, K] (dq's is a sum of two parts times the scale: an add and a multiply). Whether the barrier
+# turns them into plain transposes is for the card to tell; off until then.
 TENSOR_GRAD_BARRIER = False
 
 
