@@ -123,8 +123,9 @@ DYADIC_LOWP_DOTS = False
 # direction, `pallas_diag.diag_blocks`: one program per sub-chunk, exact span sums, its own backward kernel. True,
 # False, or None = where the Pallas kernels compile (a GPU; in Pallas' interpreter it would only slow CPU runs
 # down). For 16- and 32-bit inputs and chunks of a multiple of 16 steps; the levels from 16 up stay in XLA. Read
-# at trace time. On an H100 (2026-12-06) it took the KDA op's bfloat16 forward+backward to 0.98x at (4, 2048, 16,
-# 128) and 0.89x at (2, 16384, 16, 128), and the KDA 3:1 model's training step to 0.83x (docs/benchmarks.md).
+# at trace time. On an H100 (2026-12-06), with the kernels' tuned settings, it takes the KDA op's bfloat16
+# forward+backward to 0.74x at (4, 2048, 16, 128) and 0.69x at (2, 16384, 16, 128), and the KDA 3:1 model's
+# training step to 57.3 ms from 81.5 (two calls; docs/benchmarks.md, results/benchmarks/h100_2026-12-06/).
 CHANNEL_DIAG_KERNEL: Optional[bool] = None
 
 

@@ -222,7 +222,8 @@ def _blocks_spec():
 def diag_blocks(q, k, g, interpret: bool):
   """(A, P) [.., C / SUB, SUB, SUB] float32: the diagonal sub-chunk blocks (module docstring) for q, k, g
   [.., C, K] (q already scaled; C a multiple of SUB); A strictly lower, P lower with its diagonal q_t . k_t.
-  Gradients: `_bwd_kernel` (its cotangents in q's, k's and g's dtypes). interpret: Pallas' interpreter."""
+  Gradients: `_bwd_kernel`, or `_bwd_two_loops_kernel` with BWD_ROW_LOOP (its cotangents in q's, k's and g's
+  dtypes). interpret: Pallas' interpreter."""
   return _forward(q, k, g, interpret)
 
 
