@@ -115,9 +115,10 @@ CHANNEL_PAIR_DYADIC = True
 # anchored decay factors, each e^{x <= 0}) rounded to the inputs' dtype where it is 16-bit, as BOUNDED_LOWP_DOTS
 # does for the bounded form: half the bytes of the [.., C/2s, s, K] factors and bfloat16 tensor-core products,
 # float32 accumulation; False, float32 operands (at the caller's precision: one TF32 pass for bfloat16 callers on a
-# GPU). Within the bfloat16 tolerance of the float64 oracle (`tests/test_kda_dyadic.py`). Read at trace time. Off
-# until the card times it.
-DYADIC_LOWP_DOTS = False
+# GPU). Within the bfloat16 tolerance of the float64 oracle (`tests/test_kda_dyadic.py`; on CPU dg's error against
+# it 3.3e-3 -> 4.3e-3, `experiments.kda_local_accuracy`). Read at trace time. On: 0.94-0.96x forward+backward at
+# (4, 2048, 16, 128), (2, 16384, 16, 128) and (4, 4096, 64, 128) on an H100, in two calls (docs/benchmarks.md).
+DYADIC_LOWP_DOTS = True
 # The dyadic form's levels below SUB_CHUNK (the pairs inside each sub-chunk of 16 steps: four rounds of small
 # batched matmuls, exponentials and block assemblies over the whole [L, C, K] layout) as one Pallas kernel per
 # direction, `pallas_diag.diag_blocks`: one program per sub-chunk, exact span sums, its own backward kernel. True,

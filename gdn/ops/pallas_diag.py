@@ -68,7 +68,8 @@ BWD_BLOCK_K: Optional[int] = None
 # spread over warps); True, from a second loop over the rows t in ascending order whose tile is indexed by the
 # columns j, with running sums E^(t)_j = where(j < t, E^(t-1)_j + g_t, 0): every sum elementwise, no reduction
 # across the rows, for a second exponential a pair (its first loop takes running sums whatever RUNNING_SUMS).
-# Both are sums of the same terms, in another order. Off until the card times it.
+# Both are sums of the same terms, in another order. Off: on an H100 the two loops were 1.32x and 1.39x slower
+# at 4 warps (h100_2026-12-06/kda_diag_two_loops.txt); they helped only the slower 8-warp backward.
 BWD_ROW_LOOP = False
 
 
