@@ -31,8 +31,9 @@ five gradients). The goal of the project's issue: gdn / fla at most 0.5 forward 
   python -m experiments.bench_vs_fla --variant kda --switch intra_chunk.SEGSUM_MATMUL=off,primal
 
 --switch MODULE.NAME=a,b prints the table once per setting of the module switch `gdn.ops.<MODULE>.<NAME>` (read
-by the op at trace time; "off", "on", "auto" for False, True, None, and "primal" for SEGSUM_MATMUL), gdn's side
-traced with it set and the setting restored after; fla is timed again beside each, so every table's ratios come from one clock.
+by the op at trace time; "off", "on", "auto" for False, True, None, and "primal" and "vjp" for SEGSUM_MATMUL),
+gdn's side traced with it set and the setting restored after; fla is timed again beside each, so every table's
+ratios come from one clock.
 
 Without torch, fla or CUDA (or with --gdn-only) fla is skipped, its cells say "-", and gdn runs alone (on CPU in
 Pallas' interpreter, which times nothing useful). fla 0.6.0 refuses its gated backward on Hopper with Triton <

@@ -6,10 +6,10 @@ import importlib
 import itertools
 
 # The values of a module switch on the command line.
-SETTINGS = {"off": False, "on": True, "auto": None, "primal": "primal"}
-# Values that only the named switches take: "primal" is `ops.intra_chunk.SEGSUM_MATMUL`'s (the span sums as
-# matmuls where the op is not differentiated, cumulative sums where it is).
-ONLY_FOR = {"primal": ("SEGSUM_MATMUL",)}
+SETTINGS = {"off": False, "on": True, "auto": None, "primal": "primal", "vjp": "vjp"}
+# Values that only the named switches take: "primal" and "vjp" are `ops.intra_chunk.SEGSUM_MATMUL`'s (the span sums
+# as matmuls where the op is not differentiated, cumulative sums where it is; "vjp": their VJP the matmuls').
+ONLY_FOR = {"primal": ("SEGSUM_MATMUL",), "vjp": ("SEGSUM_MATMUL",)}
 
 
 def takes(name: str, value: str) -> bool:

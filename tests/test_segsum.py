@@ -4,6 +4,8 @@ sums (no difference of long sums), the op's outputs and gradients against the fl
 sum left in the op or its VJP. `intra_chunk.PAIR_REMAT`: what the chunk-local stage keeps.
 """
 
+from collections import Counter
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,18 +58,19 @@ def test_op_against_the_oracle(monkeypatch, method, g_kind):
   """float32 (1e-5) and bfloat16 (1e-2) inputs with grouped value heads, packed segments, an initial state and T
   not a multiple of C, per-head and per-key-channel decay (the latter over sub-chunks of 16 in chunks of 32):
   outputs, final state and gradients against the float64 oracle, and float32 against the cumulative-sum path to
-  float32 rounding, the matmuls with either VJP ("primal": outputs from the matmuls, gradients from the cumulative
-  sums)."""
+  float32 rounding, the matmuls with any VJP ("primal": outputs from the matmuls, gradients from the cumulative
+  sums; "vjp": gradients from the matmuls' transposes)."""
   C = 32 if g_kind == "channel" else 16
   x = make_inputs(61, 2, 45, 1, 2, 16, 16, g_kind, "head", segments=True)
   want = oracle(x, chunk_size=C)
   got = {}
-  for on in (False, True, "primal"):
+  for on in (False, True, "primal", "vjp"):
     monkeypatch.setattr(intra_chunk, "SEGSUM_MATMUL", on)
     got[on] = test_ops.run(method, x, chunk_size=C, switches=(("SEGSUM_MATMUL", on),))
   assert_close(got[True], want, 1e-5, f"{method} float32")
   assert_close(got[True], got[False], 1e-6, f"{method} float32 on vs off")
   assert_close(got["primal"], got[False], 1e-6, f"{method} float32 primal vs off")
+  assert_close(got["vjp"], got[False], 1e-6, f"{method} float32 vjp vs off")
   x_bf, x_ref = bfloat16_inputs(x)
   want = oracle(x_ref, chunk_size=C)
   got = test_ops.run(method, x_bf, chunk_size=C, switches=(("SEGSUM_MATMUL", True),))
@@ -90,14 +93,14 @@ def _cumsums(jaxpr):
 @pytest.mark.parametrize("g_kind, C", [("head", 16), ("channel", 32)])
 def test_the_switch_leaves_no_cumulative_sum(monkeypatch, g_kind, C):
   """With the switch on, neither the op (no segments; per-key-channel decay over two sub-chunks a chunk) nor its
-  VJP takes a cumulative sum; with it off they do (so the check can fail). The default (None) is on for a per-head
-  decay and "primal" for a per-key-channel one; "primal" takes none where the op is not differentiated and the same
-  ones as off where it is."""
+  VJP takes a cumulative sum; with it off they do (so the check can fail). The default (None) is on for either
+  decay; "primal" takes none where the op is not differentiated and the same
+  ones as off where it is; "vjp" only the forward's of those (its VJP takes the matmuls' transposes)."""
   x = make_inputs(62, 1, 64, 1, 1, 16, 16, g_kind, "head")
   diff, seg, co = test_ops.vjp_inputs(x)
   found = {}
   assert intra_chunk.SEGSUM_MATMUL is None
-  for on in (False, True, None, "primal"):
+  for on in (False, True, None, "primal", "vjp"):
     monkeypatch.setattr(intra_chunk, "SEGSUM_MATMUL", on)
 
     def f(diff):  # defined per setting: make_jaxpr caches traces by function identity
@@ -116,9 +119,12 @@ def test_the_switch_leaves_no_cumulative_sum(monkeypatch, g_kind, C):
     assert (alone == []) == (on is not False), (on, alone)  # the forward alone: no cumulative sum unless off
   assert found[True] == [], found[True]
   assert found[False], found[False]
-  assert found[None] == (found[True] if g_kind == "head" else found[False]), found[None]
+  assert found[None] == found[True], found[None]
   # "primal", differentiated: the cumulative sums' forward and their transposes, as off
   assert sorted(found["primal"]) == sorted(found[False]), (found["primal"], found[False])
+  # "vjp", differentiated: the forward's cumulative sums, none of their transposes
+  assert found["vjp"] and len(found["vjp"]) < len(found[False]), (found["vjp"], found[False])
+  assert not Counter(found["vjp"]) - Counter(found[False]), (found["vjp"], found[False])
   if g_kind == "head":
     assert (4, 16) in found[False] and (4, 16, 16) in found[False], found[False]
 

@@ -71,15 +71,20 @@ SOLVE_BETA_VJP = False
 # same direct sums, summed in another order), so that its VJP is the transposed matmul; False, cumulative sums
 # (the pairwise one over the masked [.., C, C] matrix), which XLA:GPU runs as chains of small slices and windowed
 # sums: the VJP of the pairwise one, windowed sums over the [L, C, C] cotangent, was the chunk-local backward's
-# largest kernel (1.16 of 7.53 ms at (2, 16384, 16, 128) on the H200). None (the default): matmuls for a per-head
-# decay, "primal" (below) for a per-key-channel one, as timed on the H200 (bfloat16, pallas, docs/benchmarks.md):
-# per-head, matmuls take forward+backward to 0.85-0.98 of the cumulative sums' time over the five benchmark shapes;
-# per-key-channel (KDA, (4, 2048, 16, 128)), they take the forward to 0.62 but forward+backward to 1.48.
+# largest kernel (1.16 of 7.53 ms at (2, 16384, 16, 128) on the H200). None (the default): matmuls (True) for both
+# decays. Per head, on the H200 (bfloat16, pallas, docs/benchmarks.md), matmuls take forward+backward to 0.85-0.98
+# of the cumulative sums' time over the five benchmark shapes. Per key channel (KDA), with the pairwise form of
+# 2026-12-02 they took the forward to 0.62 but forward+backward to 1.48, so the default was "primal" for it; with
+# the dyadic form, its diagonal kernel and 16-bit level dots, matmuls take KDA's forward+backward to 0.94-0.96x of
+# "primal"'s on an H100 (two calls, 2026-12-06; docs/benchmarks.md).
 # "primal": the matmuls where the op is not differentiated (inference, prefill, evaluation) and the cumulative sums
 # where it is (the forward rule and VJP of a `jax.custom_vjp`), so that a training step is exactly the cumulative
 # sums' program (9.61 ms forward+backward at that KDA shape) and a forward-only call the matmuls' (2.65 ms against
 # 4.54). The matmuls in the differentiated forward with the cumulative sums' VJP took 14.67 ms there: the backward's
-# loss comes from the matmuls' forward inside the differentiated program, not from their VJP. Read at trace time.
+# loss comes from the matmuls' forward inside the differentiated program, not from their VJP. "vjp": as "primal",
+# but the VJP is the matmuls' transpose (the cumulative sums' transposes are reverse windowed sums, which XLA:GPU
+# evaluates window by window: in KDA's backward they sit in dg's fusion, 0.38 ms of 4.78 at (4, 2048, 16, 128) on
+# an H100, at a third of the bandwidth its bytes need; docs/benchmarks.md). Read at trace time.
 SEGSUM_MATMUL = None
 # The pair products of a per-head decay (`_pair_scalar`: K K^T and Q K^T, float32 [L, C, C] each, times the decay
 # matrix): True, under `jax.checkpoint`, so that the backward recomputes them from q, k and g (two [C, K] x [K, C]
@@ -167,23 +172,25 @@ def _cumsum_rev_excl(g, axis):
   return jnp.flip(jnp.cumsum(jnp.flip(shifted, axis), axis=axis), axis)
 
 
-def _sum_mode(per_channel: bool) -> str:
+def _sum_mode() -> str:
   """How the span sums of the log-decays are formed (`SEGSUM_MATMUL`): "cumsum", "matmul" (its VJP the transposed
-  matmul) or "primal" (the matmul when not differentiated, else the cumulative sums). None: "matmul" for a
-  per-head decay, "primal" for a per-key-channel one."""
+  matmul), "primal" (the matmul when not differentiated, else the cumulative sums) or "vjp" ("primal" with the
+  matmul's transpose as the VJP). None: "matmul", for either decay."""
   if SEGSUM_MATMUL is None:
-    return "primal" if per_channel else "matmul"
+    return "matmul"
   if isinstance(SEGSUM_MATMUL, str):
-    if SEGSUM_MATMUL != "primal":
-      raise ValueError(f"intra_chunk.SEGSUM_MATMUL: expected True, False, None or 'primal', got {SEGSUM_MATMUL!r}")
-    return "primal"
+    if SEGSUM_MATMUL not in ("primal", "vjp"):
+      raise ValueError(f"intra_chunk.SEGSUM_MATMUL: expected True, False, None, 'primal' or 'vjp', "
+                       f"got {SEGSUM_MATMUL!r}")
+    return SEGSUM_MATMUL
   return "matmul" if SEGSUM_MATMUL else "cumsum"
 
 
 def _by_mode(mode, matmul_fn, cumsum_fn, g):
   """matmul_fn(g) or cumsum_fn(g) (the same sums, the matmul's in float32 at least) by `_sum_mode`; "primal": a
   `jax.custom_vjp` whose primal is the matmul and whose forward rule and VJP are the cumulative sums' (both linear
-  in g: the VJP is their transpose, traced without their forward)."""
+  in g: the VJP is their transpose, traced without their forward); "vjp": the same with the matmul's transpose as
+  the VJP."""
   if mode == "cumsum":
     return cumsum_fn(g)
   if mode == "matmul":
@@ -199,6 +206,8 @@ def _by_mode(mode, matmul_fn, cumsum_fn, g):
     return widened(g), g
 
   def bwd(g, ct):
+    if mode == "vjp":
+      return jax.linear_transpose(lambda g: matmul_fn(g.astype(dt)), g)(ct)
     return jax.linear_transpose(widened, g)(ct)
 
   sums.defvjp(fwd, bwd)
@@ -256,7 +265,7 @@ def _pair_scalar(q, k, g, dot):
   """A (unmasked) and P for one decay per head. q,k [.., C, K]; g [.., C]."""
   C = g.shape[-1]
   incl = jnp.tril(jnp.ones((C, C), bool))
-  D = jnp.exp(jnp.where(incl, _segsum(g, g.ndim - 1, mode=_sum_mode(False)), -jnp.inf))
+  D = jnp.exp(jnp.where(incl, _segsum(g, g.ndim - 1, mode=_sum_mode()), -jnp.inf))
   return dot("...tk,...ik->...ti", k, k) * D, dot("...tk,...ik->...ti", q, k) * D
 
 
@@ -278,7 +287,7 @@ def _pair_channel(q, k, g, dot):
   both exponents <= 0.
   """
   C, K = k.shape[-2:]
-  mode = _sum_mode(True)
+  mode = _sum_mode()
   M, c, lead, (qs, ks, gs) = _sub_chunks(q, k, g)
   # Diagonal blocks: D[n, t, i, :] = sum_{i < j <= t} g_j inside sub-chunk n.
   incl = jnp.tril(jnp.ones((c, c), bool))[:, :, None]
@@ -327,7 +336,7 @@ def _pair_channel_dyadic(q, k, g, dot):
   positions each, against the [C/16, 16, 16, K] pairwise decays of `_pair_channel`'s diagonal blocks. With
   CHANNEL_DIAG_KERNEL the levels below 16 (each sub-chunk's own pairs) come from `pallas_diag.diag_blocks`."""
   C, K = k.shape[-2:]
-  mode = _sum_mode(True)
+  mode = _sum_mode()
   lead = k.shape[:-2]
   if pallas_diag.use(CHANNEL_DIAG_KERNEL) and pallas_diag.supported(C, jnp.result_type(q, k, g)):
     # the levels below SUB_CHUNK, every sub-chunk's own pairs, by the kernel: W_A, W_P [.., C / 16, 16, 16]
@@ -399,7 +408,7 @@ def _pair_channel_bounded(q, k, g, dot):
   block n (at most -16 lb = 80, so e^{E} <= 5.5e34), and for an earlier block m the span sum from i to n's start
   (<= 0, `_pair_channel`'s R plus the blocks between). Later blocks get E = -inf (a zero factor, no overflow)."""
   C, K = k.shape[-2:]
-  mode = _sum_mode(True)
+  mode = _sum_mode()
   M, c, lead, (qs, ks, gs) = _sub_chunks(q, k, g)
   F = _incl_sums(gs, gs.ndim - 2, mode=mode)  # [.., M, c, K]
   nn = jnp.arange(M)
@@ -460,7 +469,7 @@ def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str, g_lowe
     decay = jnp.ones(k.shape[:-2] + (1,), k.dtype)
   else:
     ax = 1  # the C axis of [L, C, ...]
-    mode = _sum_mode(g.ndim == 3)
+    mode = _sum_mode()
     gam, to_end = _incl_sums(g, ax, mode=mode), _rev_excl_sums(g, ax, mode=mode)
     if g.ndim == 2:
       pair = functools.partial(_pair_scalar, dot=dot)
@@ -651,7 +660,7 @@ def _local_bwd(prec, res, ct):
   gam = _cumsum_incl(g, 1)
   e_gam = jnp.exp(gam)[..., None]
   e_end = jnp.exp(_cumsum_rev_excl(g, 1))[..., None]
-  D = jnp.exp(jnp.where(incl, _segsum(g, 1, mode=_sum_mode(False)), -jnp.inf))
+  D = jnp.exp(jnp.where(incl, _segsum(g, 1, mode=_sum_mode()), -jnp.inf))
   A = keep(same, jnp.where(strict, dot("...tk,...ik->...ti", k, k) * D, 0.0))
   P = keep(same, dot("...tk,...ik->...ti", q, k) * D)
   e_kd = keep(row(carries), e_gam)  # k_dec = k e_kd
