@@ -93,8 +93,8 @@ def _cumsums(jaxpr):
 @pytest.mark.parametrize("g_kind, C", [("head", 16), ("channel", 32)])
 def test_the_switch_leaves_no_cumulative_sum(monkeypatch, g_kind, C):
   """With the switch on, neither the op (no segments; per-key-channel decay over two sub-chunks a chunk) nor its
-  VJP takes a cumulative sum; with it off they do (so the check can fail). The default (None) is on for either
-  decay; "primal" takes none where the op is not differentiated and the same
+  VJP takes a cumulative sum; with it off they do (so the check can fail). The default (None) is on for a per-head
+  decay and KDA's dyadic form (the one here); "primal" takes none where the op is not differentiated and the same
   ones as off where it is; "vjp" only the forward's of those (its VJP takes the matmuls' transposes)."""
   x = make_inputs(62, 1, 64, 1, 1, 16, 16, g_kind, "head")
   diff, seg, co = test_ops.vjp_inputs(x)
@@ -127,6 +127,29 @@ def test_the_switch_leaves_no_cumulative_sum(monkeypatch, g_kind, C):
   assert not Counter(found["vjp"]) - Counter(found[False]), (found["vjp"], found[False])
   if g_kind == "head":
     assert (4, 16) in found[False] and (4, 16, 16) in found[False], found[False]
+
+
+def test_the_default_follows_the_form(monkeypatch):
+  """The default (None) for a per-key-channel decay: the matmuls (as on) for the dyadic form, "primal" for the
+  pairwise one (as each was last timed), in the differentiated op."""
+  x = make_inputs(63, 1, 64, 1, 1, 16, 16, "channel", "head")
+  diff, seg, co = test_ops.vjp_inputs(x)
+  found = {}
+  for dyadic in (True, False):
+    monkeypatch.setattr(intra_chunk, "CHANNEL_PAIR_DYADIC", dyadic)
+    for on in (None, True, "primal"):
+      monkeypatch.setattr(intra_chunk, "SEGSUM_MATMUL", on)
+
+      def f(diff):  # per setting: make_jaxpr caches traces by function identity
+        def op(d):
+          return test_ops.ops.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"], method="chunk",
+                                               chunk_size=32)[0]
+        o, vjp = jax.vjp(op, diff)
+        return vjp(co[0].astype(o.dtype))
+
+      found[dyadic, on] = sorted(_cumsums(jax.make_jaxpr(f)(diff).jaxpr))
+  assert found[True, None] == found[True, True] == [], found[True, None]
+  assert found[False, None] == found[False, "primal"] and found[False, None], found[False, None]
 
 
 @pytest.mark.parametrize("segsum_matmul", [False, True])

@@ -71,12 +71,13 @@ SOLVE_BETA_VJP = False
 # same direct sums, summed in another order), so that its VJP is the transposed matmul; False, cumulative sums
 # (the pairwise one over the masked [.., C, C] matrix), which XLA:GPU runs as chains of small slices and windowed
 # sums: the VJP of the pairwise one, windowed sums over the [L, C, C] cotangent, was the chunk-local backward's
-# largest kernel (1.16 of 7.53 ms at (2, 16384, 16, 128) on the H200). None (the default): matmuls (True) for both
-# decays. Per head, on the H200 (bfloat16, pallas, docs/benchmarks.md), matmuls take forward+backward to 0.85-0.98
-# of the cumulative sums' time over the five benchmark shapes. Per key channel (KDA), with the pairwise form of
-# 2026-12-02 they took the forward to 0.62 but forward+backward to 1.48, so the default was "primal" for it; with
-# the dyadic form, its diagonal kernel and 16-bit level dots, matmuls take KDA's forward+backward to 0.94-0.96x of
-# "primal"'s on an H100 (two calls, 2026-12-06; docs/benchmarks.md).
+# largest kernel (1.16 of 7.53 ms at (2, 16384, 16, 128) on the H200). None (the default): matmuls (True) for a
+# per-head decay and for KDA's dyadic form, "primal" (below) for KDA's pairwise and bounded forms, as each was
+# last timed. Per head, on the H200 (bfloat16, pallas, docs/benchmarks.md), matmuls take forward+backward to
+# 0.85-0.98 of the cumulative sums' time over the five benchmark shapes. Per key channel, with the pairwise form
+# (2026-12-02) they took the forward to 0.62 but forward+backward to 1.48; with the dyadic form, its diagonal
+# kernel and 16-bit level dots, they take KDA's forward+backward to 0.94-0.96x of "primal"'s on an H100 (two
+# calls, 2026-12-06; docs/benchmarks.md).
 # "primal": the matmuls where the op is not differentiated (inference, prefill, evaluation) and the cumulative sums
 # where it is (the forward rule and VJP of a `jax.custom_vjp`), so that a training step is exactly the cumulative
 # sums' program (9.61 ms forward+backward at that KDA shape) and a forward-only call the matmuls' (2.65 ms against
@@ -172,12 +173,15 @@ def _cumsum_rev_excl(g, axis):
   return jnp.flip(jnp.cumsum(jnp.flip(shifted, axis), axis=axis), axis)
 
 
-def _sum_mode() -> str:
+def _sum_mode(form: str) -> str:
   """How the span sums of the log-decays are formed (`SEGSUM_MATMUL`): "cumsum", "matmul" (its VJP the transposed
   matmul), "primal" (the matmul when not differentiated, else the cumulative sums) or "vjp" ("primal" with the
-  matmul's transpose as the VJP). None: "matmul", for either decay."""
+  matmul's transpose as the VJP). None: "matmul" for the `form`s "head" (a per-head decay) and "dyadic" (KDA's
+  dyadic form), "primal" for "pairwise" and "bounded" (KDA's other forms)."""
+  if form not in ("head", "dyadic", "pairwise", "bounded"):
+    raise ValueError(f"_sum_mode: unknown form {form!r}")
   if SEGSUM_MATMUL is None:
-    return "matmul"
+    return "matmul" if form in ("head", "dyadic") else "primal"
   if isinstance(SEGSUM_MATMUL, str):
     if SEGSUM_MATMUL not in ("primal", "vjp"):
       raise ValueError(f"intra_chunk.SEGSUM_MATMUL: expected True, False, None, 'primal' or 'vjp', "
@@ -265,7 +269,7 @@ def _pair_scalar(q, k, g, dot):
   """A (unmasked) and P for one decay per head. q,k [.., C, K]; g [.., C]."""
   C = g.shape[-1]
   incl = jnp.tril(jnp.ones((C, C), bool))
-  D = jnp.exp(jnp.where(incl, _segsum(g, g.ndim - 1, mode=_sum_mode()), -jnp.inf))
+  D = jnp.exp(jnp.where(incl, _segsum(g, g.ndim - 1, mode=_sum_mode("head")), -jnp.inf))
   return dot("...tk,...ik->...ti", k, k) * D, dot("...tk,...ik->...ti", q, k) * D
 
 
@@ -287,7 +291,7 @@ def _pair_channel(q, k, g, dot):
   both exponents <= 0.
   """
   C, K = k.shape[-2:]
-  mode = _sum_mode()
+  mode = _sum_mode("pairwise")
   M, c, lead, (qs, ks, gs) = _sub_chunks(q, k, g)
   # Diagonal blocks: D[n, t, i, :] = sum_{i < j <= t} g_j inside sub-chunk n.
   incl = jnp.tril(jnp.ones((c, c), bool))[:, :, None]
@@ -336,7 +340,7 @@ def _pair_channel_dyadic(q, k, g, dot):
   positions each, against the [C/16, 16, 16, K] pairwise decays of `_pair_channel`'s diagonal blocks. With
   CHANNEL_DIAG_KERNEL the levels below 16 (each sub-chunk's own pairs) come from `pallas_diag.diag_blocks`."""
   C, K = k.shape[-2:]
-  mode = _sum_mode()
+  mode = _sum_mode("dyadic")
   lead = k.shape[:-2]
   if pallas_diag.use(CHANNEL_DIAG_KERNEL) and pallas_diag.supported(C, jnp.result_type(q, k, g)):
     # the levels below SUB_CHUNK, every sub-chunk's own pairs, by the kernel: W_A, W_P [.., C / 16, 16, 16]
@@ -408,7 +412,7 @@ def _pair_channel_bounded(q, k, g, dot):
   block n (at most -16 lb = 80, so e^{E} <= 5.5e34), and for an earlier block m the span sum from i to n's start
   (<= 0, `_pair_channel`'s R plus the blocks between). Later blocks get E = -inf (a zero factor, no overflow)."""
   C, K = k.shape[-2:]
-  mode = _sum_mode()
+  mode = _sum_mode("bounded")
   M, c, lead, (qs, ks, gs) = _sub_chunks(q, k, g)
   F = _incl_sums(gs, gs.ndim - 2, mode=mode)  # [.., M, c, K]
   nn = jnp.arange(M)
@@ -469,17 +473,19 @@ def _local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str, g_lowe
     decay = jnp.ones(k.shape[:-2] + (1,), k.dtype)
   else:
     ax = 1  # the C axis of [L, C, ...]
-    mode = _sum_mode()
+    bounded = g.ndim == 3 and g_lower_bound is not None and bounded_ok(C)
+    dyadic = g.ndim == 3 and not bounded and CHANNEL_PAIR_DYADIC and dyadic_ok(C)
+    mode = _sum_mode("head" if g.ndim == 2 else "bounded" if bounded else "dyadic" if dyadic else "pairwise")
     gam, to_end = _incl_sums(g, ax, mode=mode), _rev_excl_sums(g, ax, mode=mode)
     if g.ndim == 2:
       pair = functools.partial(_pair_scalar, dot=dot)
       A, P = (jax.checkpoint(pair) if PAIR_REMAT else pair)(q, k, g)
       gam, to_end, total = gam[..., None], to_end[..., None], gam[..., -1:]
     else:
-      if g_lower_bound is not None and bounded_ok(C):
+      if bounded:
         A, P = _pair_channel_bounded(q, k, g, dot)
       else:
-        exact = _pair_channel_dyadic if CHANNEL_PAIR_DYADIC and dyadic_ok(C) else _pair_channel
+        exact = _pair_channel_dyadic if dyadic else _pair_channel
         pair = functools.partial(exact, dot=dot)
         A, P = (jax.checkpoint(pair) if CHANNEL_PAIR_REMAT else pair)(q, k, g)
       total = gam[..., -1, :]
@@ -660,7 +666,7 @@ def _local_bwd(prec, res, ct):
   gam = _cumsum_incl(g, 1)
   e_gam = jnp.exp(gam)[..., None]
   e_end = jnp.exp(_cumsum_rev_excl(g, 1))[..., None]
-  D = jnp.exp(jnp.where(incl, _segsum(g, 1, mode=_sum_mode()), -jnp.inf))
+  D = jnp.exp(jnp.where(incl, _segsum(g, 1, mode=_sum_mode("head")), -jnp.inf))
   A = keep(same, jnp.where(strict, dot("...tk,...ik->...ti", k, k) * D, 0.0))
   P = keep(same, dot("...tk,...ik->...ti", q, k) * D)
   e_kd = keep(row(carries), e_gam)  # k_dec = k e_kd
