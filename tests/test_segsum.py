@@ -90,6 +90,19 @@ def _cumsums(jaxpr):
   return found
 
 
+def _vjp_cumsums(diff, co, C):
+  """`_cumsums` of the differentiated op (method chunk, chunk C) under the switches as they are now (traced anew
+  each call: make_jaxpr caches traces by function identity)."""
+  def f(diff):
+    def op(d):
+      return test_ops.ops.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"], method="chunk",
+                                           chunk_size=C)[0]
+    o, vjp = jax.vjp(op, diff)
+    return vjp(co[0].astype(o.dtype))
+
+  return _cumsums(jax.make_jaxpr(f)(diff).jaxpr)
+
+
 @pytest.mark.parametrize("g_kind, C", [("head", 16), ("channel", 32)])
 def test_the_switch_leaves_no_cumulative_sum(monkeypatch, g_kind, C):
   """With the switch on, neither the op (no segments; per-key-channel decay over two sub-chunks a chunk) nor its
@@ -102,15 +115,7 @@ def test_the_switch_leaves_no_cumulative_sum(monkeypatch, g_kind, C):
   assert intra_chunk.SEGSUM_MATMUL is None
   for on in (False, True, None, "primal", "vjp"):
     monkeypatch.setattr(intra_chunk, "SEGSUM_MATMUL", on)
-
-    def f(diff):  # defined per setting: make_jaxpr caches traces by function identity
-      def op(d):
-        return test_ops.ops.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"], method="chunk",
-                                             chunk_size=C)[0]
-      o, vjp = jax.vjp(op, diff)
-      return vjp(co[0].astype(o.dtype))
-
-    found[on] = _cumsums(jax.make_jaxpr(f)(diff).jaxpr)
+    found[on] = _vjp_cumsums(diff, co, C)
 
     def fwd_only(diff):
       return test_ops.ops.gated_delta_rule(diff["q"], diff["k"], diff["v"], diff["g"], diff["beta"],
@@ -139,15 +144,7 @@ def test_the_default_follows_the_form(monkeypatch):
     monkeypatch.setattr(intra_chunk, "CHANNEL_PAIR_DYADIC", dyadic)
     for on in (None, True, "primal"):
       monkeypatch.setattr(intra_chunk, "SEGSUM_MATMUL", on)
-
-      def f(diff):  # per setting: make_jaxpr caches traces by function identity
-        def op(d):
-          return test_ops.ops.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"], method="chunk",
-                                               chunk_size=32)[0]
-        o, vjp = jax.vjp(op, diff)
-        return vjp(co[0].astype(o.dtype))
-
-      found[dyadic, on] = sorted(_cumsums(jax.make_jaxpr(f)(diff).jaxpr))
+      found[dyadic, on] = sorted(_vjp_cumsums(diff, co, 32))
   assert found[True, None] == found[True, True] == [], found[True, None]
   assert found[False, None] == found[False, "primal"] and found[False, None], found[False, None]
 
