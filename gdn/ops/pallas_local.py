@@ -24,7 +24,8 @@ decay, P, W, U); k_dec and A are None. decay is computed in XLA (one exp per chu
 
 Per-key-channel decay (g [C, K]: KDA) has its own kernel, `_channel_kernel`, behind the module switch
 `FUSED_LOCAL_CHANNEL` (default False: `intra_chunk.local` takes that variant, as before; on an H100 the kernel took
-1.05-1.12x XLA's stage, docs/benchmarks.md). Steps 3 and 4 are the same; steps 1 and 2 follow
+1.05-1.12x XLA's stage, and the forward 1.8-1.9x that of the dyadic form with its diagonal kernels,
+docs/benchmarks.md). Steps 3 and 4 are the same; steps 1 and 2 follow
 `intra_chunk._pair_channel_dyadic`: the decay of a pair of positions differs per key channel, so A and P are no
 longer k k^T and q k^T times one [Cp, Cp] decay. Each pair's decay is factored at the one dyadic boundary between
 its two positions, per level as dense [C, C] work over blocks of key channels, both exponents <= 0, so no e^{+x}
