@@ -93,6 +93,43 @@ def test_bfloat16_equals_intra_chunk():
     assert rel_err(getattr(got, n), getattr(want, n)) <= 2e-2, (n, rel_err(getattr(got, n), getattr(want, n)))
 
 
+def _kernel_dots(jaxpr):
+  """The (lhs, rhs) operand avals of every dot_general inside the pallas_calls of `jaxpr`."""
+  found = []
+
+  def walk(j, inside):
+    for eqn in j.eqns:
+      if inside and eqn.primitive.name == "dot_general":
+        found.append(tuple(v.aval for v in eqn.invars))
+      for p in eqn.params.values():
+        sub = getattr(p, "jaxpr", p)
+        if hasattr(sub, "eqns"):
+          walk(sub, inside or eqn.primitive.name == "pallas_call")
+  walk(jaxpr.jaxpr, False)
+  return found
+
+
+@pytest.mark.parametrize("lowp", [False, True])
+def test_lowp_wu_takes_16_bit_operands_and_the_xla_stages_values(monkeypatch, lowp):
+  """`LOWP_WU`: the kernel's two products with T ([Cp, Cp] on the left) read bfloat16 operands with it and float32
+  without; with it, W and U are XLA's stage's (`intra_chunk.LOWP_SOLVE`, on: the same roundings)."""
+  monkeypatch.setattr(pallas_local, "LOWP_WU", lowp)
+  monkeypatch.setattr(intra_chunk, "LOWP_SOLVE", True)
+  args = chunk_inputs(1, 3, 64, 32, 16, jnp.bfloat16, strong=True)  # K 32, V 16: not the merges' [64, 64]
+  kw = dict(beta_kind="head", prec=jax.lax.Precision.DEFAULT)
+  f = jitted(pallas_local.local, **kw)
+  dots = _kernel_dots(jax.make_jaxpr(f)(*args, None))
+  t_dots = [d for d in dots if d[0].shape == (64, 64) and d[1].shape in ((64, 32), (64, 16))]  # T @ [Cp, K], [Cp, V]
+  assert len(t_dots) == 2, t_dots
+  want_dtype = jnp.bfloat16 if lowp else jnp.float32
+  assert all(a.dtype == want_dtype and b.dtype == want_dtype for a, b in t_dots), t_dots
+  want, got = jitted(intra_chunk.local, **kw)(*args, None), f(*args, None)
+  errs = {n: rel_err(getattr(got, n), getattr(want, n)) for n in FIELDS}
+  # With it the stage's roundings: here the same values (1e-3 leaves room for an entry where the two float32
+  # inverses round to neighbouring bfloat16 values); without it U is 4.7e-3 away in this case.
+  assert max(errs.values()) <= (1e-3 if lowp else 2e-2), errs
+
+
 def test_gradients_are_the_xla_references():
   """The custom VJP's backward is the VJP of `intra_chunk.local`: equal gradients for the same cotangents."""
   args = chunk_inputs(2, 2, 16, 16, 32, jnp.float32)
@@ -224,8 +261,11 @@ def test_backward_kernel_lowers_to_triton(monkeypatch, split):
   assert hlo.count("__gpu$xla.gpu.triton") == 1 + len(names) and all(n in hlo for n in names), names
 
 
-def test_kernel_lowers_to_triton():
-  """The compiled path lowers for CUDA (Triton IR from the kernel body: no primitive the Triton lowering lacks)."""
+@pytest.mark.parametrize("lowp", [False, True])
+def test_kernel_lowers_to_triton(monkeypatch, lowp):
+  """The compiled path lowers for CUDA (Triton IR from the kernel body: no primitive the Triton lowering lacks),
+  with and without `LOWP_WU`."""
+  monkeypatch.setattr(pallas_local, "LOWP_WU", lowp)
   args = chunk_inputs(5, 2, 64, 128, 128, jnp.bfloat16)
   f = jax.jit(lambda *a: pallas_local.local(*a, None, beta_kind="head", prec=jax.lax.Precision.DEFAULT,
                                             interpret=False))

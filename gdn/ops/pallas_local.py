@@ -109,6 +109,12 @@ SPLIT_NUM_WARPS = 8
 FUSED_LOCAL_CHANNEL = False
 CHANNEL_BLOCK_K = 16
 CHANNEL_NUM_WARPS = 8
+# W = T (Diag(beta) k_dec) and U = T (Diag(beta) v) in the forward kernels with 16-bit inputs: True rounds T and the
+# right-hand sides to the inputs' dtype before the two products (16-bit tensor-core operands, float32 accumulation),
+# the values `intra_chunk.LOWP_SOLVE` gives XLA's stage, which a differentiated call runs; False (today) multiplies
+# the float32 T by float32 right-hand sides (one TF32 pass for bfloat16 callers). float32 inputs are unaffected.
+# Read at the call. Off until the card times it.
+LOWP_WU = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +134,7 @@ class Config:
   bwd_split: bool = False  # BACKWARD_SPLIT at the call
   split_block_k: int = 64
   split_num_warps: int = 8
+  lowp_wu: bool = False  # LOWP_WU at the call, for 16-bit inputs
 
 
 def supports(g, beta, masks, beta_kind: str, dtype) -> bool:
@@ -220,14 +227,17 @@ def _write_wu(A, beta, e_gam, k_ref, v_ref, w_ref, u_ref, cfg: Config):
   V blocks; e_gam(ks) is e^gamma for the key channels ks ([Cp, 1] for a per-head decay)."""
   Kp, Vp = k_ref.shape[1], v_ref.shape[1]
   f32 = jnp.float32
-  T = _invert_unit_lower(beta[:, None] * A, cfg.prec)
+  # The products' operand dtype: the 16-bit inputs' with LOWP_WU (as intra_chunk's LOWP_SOLVE), else float32.
+  sdt = k_ref.dtype if cfg.lowp_wu and jnp.dtype(k_ref.dtype).itemsize == 2 else f32
+  T = _invert_unit_lower(beta[:, None] * A, cfg.prec).astype(sdt)
   for j in range(Kp // cfg.block_k):
     ks = pl.ds(j * cfg.block_k, cfg.block_k)
     rhs = beta[:, None] * (k_ref[:, ks].astype(f32) * e_gam(ks))  # beta k_dec, as intra_chunk forms it
-    w_ref[:, ks] = _dot(T, rhs, False, cfg.prec).astype(w_ref.dtype)
+    w_ref[:, ks] = _dot(T, rhs.astype(sdt), False, cfg.prec).astype(w_ref.dtype)
   for j in range(Vp // cfg.block_v):
     vs = pl.ds(j * cfg.block_v, cfg.block_v)
-    u_ref[:, vs] = _dot(T, beta[:, None] * v_ref[:, vs].astype(f32), False, cfg.prec).astype(u_ref.dtype)
+    rhs = beta[:, None] * v_ref[:, vs].astype(f32)
+    u_ref[:, vs] = _dot(T, rhs.astype(sdt), False, cfg.prec).astype(u_ref.dtype)
 
 
 def _level_masks(Cp: int, s: int):
@@ -587,7 +597,7 @@ def make_config(prec, interpret: bool, *, block_k: Optional[int] = None, block_v
                 bwd_kernel=bwd_kernel,
                 bwd_block_k=pow2(BWD_BLOCK_K), bwd_block_v=pow2(BWD_BLOCK_V), bwd_num_warps=BWD_NUM_WARPS,
                 bwd_split=bool(BACKWARD_SPLIT if bwd_split is None else bwd_split),
-                split_block_k=pow2(SPLIT_BLOCK_K), split_num_warps=SPLIT_NUM_WARPS)
+                split_block_k=pow2(SPLIT_BLOCK_K), split_num_warps=SPLIT_NUM_WARPS, lowp_wu=bool(LOWP_WU))
 
 
 def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "blocked", block_k: Optional[int] = None,
