@@ -4,8 +4,9 @@ For a machine held a few minutes at a time (a GPU call of under ten minutes): a 
 setting) group's cells for one seed or for every seed, cut into the programs that `gdn-compare --stack
 --stack-size` trains (at most that many cells each), one process a program (`gdn-compare --cells`), cut by what
 the budget has left. A program is not started where it would get less than `--min-left` seconds, or less than
-`--fit` times its estimate: the longest finished program of its group (its cells' summaries have that
-program's seconds), else of the sweep (a program cut short keeps only its checkpoints, and those only while
+`--fit` times its estimate, taken as the program is about to start: the longest finished program of its group (its
+cells' summaries have that program's seconds), else of the sweep, an earlier job of the same command included
+(a program cut short keeps only its checkpoints, and those only while
 the machine keeps its results/); a later, shorter program may still start. Then the
 report is written, which writes each finished cell's record (results/<name>/records/<cell>/), and with
 `--archive` the records are packed into one file to carry back; unpacked beside the code and committed, they
@@ -222,10 +223,10 @@ def main(argv=None) -> int:
     seen[g, s] += 1
     names.append(f"{labels[g]}:{'all' if s is None else s}"
                  + (f" [{seen[g, s]}/{counts[g, s]}]" if counts[g, s] > 1 else ""))
-  need = [estimate(cells, g) if a.fit else None for g, _, _ in jobs]
   print(f"{len(jobs)} job(s) with cells left: " + ", ".join(names))
   if a.dry_run:
-    for name, (g, s, ids), secs in zip(names, jobs, need):
+    for name, (g, s, ids) in zip(names, jobs):
+      secs = estimate(cells, g) if a.fit else None
       print(f"# {name}: {len(ids)} cell(s)" + (f", about {secs:.0f} s (its group's finished programs, or the "
                                                   f"sweep's)" if secs else ""))
       print(shlex.join(job_command(spec, overrides, g, n, s, a.stack_size, ids)))
@@ -237,17 +238,19 @@ def main(argv=None) -> int:
   if a.parallel > 1 and "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # else each job would take most of a GPU
   piece_log, failed = [], False
-  queue = list(zip(names, jobs, need))
+  queue = list(zip(names, jobs))
   running = []  # (name, shown command, log path, process, start, deadline, timeout)
   while queue or running:
     while queue and len(running) < a.parallel:  # start jobs while a slot is free and the budget holds one
       left = a.budget - a.reserve - (time.monotonic() - t0)
       if left < max(a.min_left, 1.0):
-        for name, _, _ in queue:
+        for name, _ in queue:
           print(f"job {name}: not started, {left:.0f} s left (--min-left {a.min_left:g})")
         queue = []
         break
-      name, (g, s, ids), secs = queue.pop(0)
+      name, (g, s, ids) = queue.pop(0)
+      # Estimated now, not when the command began: a program that finished earlier in this command counts.
+      secs = estimate(cells, g) if a.fit else None
       if secs and left < a.fit * secs:  # the time left only shrinks: a later, shorter program may still fit
         print(f"job {name}: not started, {left:.0f} s left, about {secs:.0f} s needed (--fit {a.fit:g} x the "
               f"longest finished program of its group, or of the sweep)")

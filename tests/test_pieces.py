@@ -165,6 +165,35 @@ def test_each_program_is_a_job_and_one_the_time_left_cannot_hold_is_not_started(
   assert "--fit must be >= 0" in capsys.readouterr().err
 
 
+def test_a_program_that_finished_in_the_same_command_sets_the_estimate(sweep, capsys, monkeypatch):
+  """The estimate is taken as each program is about to start: the first program of a sweep with nothing finished
+  starts unestimated, and once it has finished (500 s, as its summary says) the next one is not started in the
+  100 s left. (The programs here write their summaries without training: `start_job` is a stand-in.)"""
+  cells = _cells(sweep, "sweep.seeds=(0,)")
+
+  class Finished:
+    def poll(self):
+      return 0
+
+  def start_job(cmd, log_path, env=None):
+    ids = cmd[cmd.index("--cells") + 1].split(",")
+    for cell in cells:
+      if cell.id in ids:
+        _finish(cell)
+        with open(os.path.join(cell.config.run_dir, "summary.json"), "w") as f:
+          json.dump({"steps": cell.config.train.last_step, "seconds": 500.0}, f)
+    open(log_path, "w").close()
+    return Finished()
+
+  monkeypatch.setattr(pieces, "start_job", start_job)
+  args = ["--config", sweep, *(f"--config.{o}" for o in OVERRIDES), "--config.sweep.seeds=(0,)"]
+  assert pieces.main([*args, "--jobs", "0:0", "--budget", "130", "--reserve", "30", "--stack-size", "1"]) == 0
+  out = capsys.readouterr().out
+  assert "job attention:0 [1/2] rc=0 " in out
+  assert re.search(r"job attention:0 \[2/2\]: not started, \d+ s left, about 500 s needed", out), out
+  assert done(cells[0]) and not os.path.exists(cells[1].config.run_dir)
+
+
 def test_compare_refuses_cells_the_sweep_does_not_have(sweep, capsys):
   """(The jobs above train through `gdn-compare --cells`, one program each.)"""
   from experiments import compare
