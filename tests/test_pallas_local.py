@@ -130,6 +130,24 @@ def test_lowp_wu_takes_16_bit_operands_and_the_xla_stages_values(monkeypatch, lo
   assert max(errs.values()) <= (1e-3 if lowp else 2e-2), errs
 
 
+@pytest.mark.parametrize("dtype, lowp, L, C, K, V", [("float32", False, 4, 8, 5, 19), ("float32", False, 2, 64, 128, 16),
+                                                   ("bfloat16", False, 3, 64, 32, 48), ("bfloat16", True, 3, 64, 32, 48)])
+def test_split_kernels_equal_the_one_kernel(monkeypatch, dtype, lowp, L, C, K, V):
+  """`LOCAL_SPLIT`'s three kernels give the one kernel's fields (the same operations in the same order, T through
+  memory in the dtype its products read), padded shapes and two steps of the key loop included."""
+  monkeypatch.setattr(pallas_local, "LOWP_WU", lowp)
+  args = chunk_inputs(4, L, C, K, V, jnp.dtype(dtype), strong=True)
+  prec = jax.lax.Precision.HIGHEST if dtype == "float32" else jax.lax.Precision.DEFAULT
+  f = lambda: jitted(pallas_local.local, beta_kind="head", prec=prec, block_k=64, block_v=32)  # traced anew
+  one = f()(*args, None)
+  monkeypatch.setattr(pallas_local, "LOCAL_SPLIT", True)
+  assert "gdn_chunk_local_solve" in str(jax.make_jaxpr(f())(*args, None))
+  split = f()(*args, None)
+  for n in FIELDS:
+    assert getattr(split, n).dtype == getattr(one, n).dtype, n
+    assert rel_err(getattr(split, n), getattr(one, n)) <= 1e-6, (n, rel_err(getattr(split, n), getattr(one, n)))
+
+
 def test_gradients_are_the_xla_references():
   """The custom VJP's backward is the VJP of `intra_chunk.local`: equal gradients for the same cotangents."""
   args = chunk_inputs(2, 2, 16, 16, 32, jnp.float32)
@@ -261,22 +279,27 @@ def test_backward_kernel_lowers_to_triton(monkeypatch, split):
   assert hlo.count("__gpu$xla.gpu.triton") == 1 + len(names) and all(n in hlo for n in names), names
 
 
-@pytest.mark.parametrize("lowp", [False, True])
+@pytest.mark.parametrize("lowp", [False, True])  # with it, LOCAL_SPLIT too
 def test_kernel_lowers_to_triton(monkeypatch, lowp):
   """The compiled path lowers for CUDA (Triton IR from the kernel body: no primitive the Triton lowering lacks),
-  with and without `LOWP_WU`."""
+  with and without `LOWP_WU`, the one kernel and `LOCAL_SPLIT`'s three."""
   monkeypatch.setattr(pallas_local, "LOWP_WU", lowp)
+  monkeypatch.setattr(pallas_local, "LOCAL_SPLIT", lowp)
   args = chunk_inputs(5, 2, 64, 128, 128, jnp.bfloat16)
   f = jax.jit(lambda *a: pallas_local.local(*a, None, beta_kind="head", prec=jax.lax.Precision.DEFAULT,
                                             interpret=False))
   hlo = cuda_hlo(f, *args)
-  assert hlo.count("__gpu$xla.gpu.triton") == 1
+  assert hlo.count("__gpu$xla.gpu.triton") == (3 if lowp else 1)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
-def test_compiled_on_gpu(dtype, tol):
-  """The compiled kernel at C = 64, K = V = 128 against intra_chunk.local (max relative error per field)."""
+def test_compiled_on_gpu(monkeypatch, dtype, tol, split):
+  """The compiled kernel at C = 64, K = V = 128 against intra_chunk.local (max relative error per field); with
+  `split`, `LOCAL_SPLIT`'s three kernels with `LOWP_WU`."""
+  monkeypatch.setattr(pallas_local, "LOCAL_SPLIT", split)
+  monkeypatch.setattr(pallas_local, "LOWP_WU", split)
   args = chunk_inputs(6, 256, 64, 128, 128, jnp.dtype(dtype), strong=True)
   prec = jax.lax.Precision.HIGHEST if dtype == "float32" else jax.lax.Precision.DEFAULT
   want = intra_chunk.local(*args, None, beta_kind="head", prec=prec)

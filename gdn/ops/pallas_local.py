@@ -7,7 +7,8 @@ V (powers of two, at least 16); BK, BV the key and value channels one step of a 
 the sub-chunk of the triangular inverse, M = Cp / c.
 
 One program per chunk (grid (L,)), all chunks in parallel, as fla's chunk_scaled_dot_kkt + solve_tril +
-recompute_w_u in one kernel. With g the chunk's log-decays [C] and beta [C]:
+recompute_w_u in one kernel (with `LOCAL_SPLIT`, as three: steps 1-2, 3 and 4). With g the chunk's log-decays [C]
+and beta [C]:
 
   1. gamma_t = sum_{j <= t} g_j, to_end_i = sum_{j > i} g_j and D_ti = sum_{i < j <= t} g_j, each a sum of the
      log-decays over the span it covers (a cumulative sum over a masked [Cp, Cp]), exactly as `intra_chunk`
@@ -33,7 +34,7 @@ overflows even at g = -1e4 (total forgetting).
 
 Dots: the inputs' dtype for k k^T and q k^T and the per-key-channel kernel's off-diagonal blocks (the keys and
 queries times their decays, rounded to it: bfloat16 operands for bfloat16 callers), float32 operands for the
-inverse and W, U (its entries are float32 values), all accumulated in float32, at `pallas_common.kernel_precision`
+inverse and W, U (its entries are float32 values; 16-bit for W and U with `LOWP_WU`), all accumulated in float32, at `pallas_common.kernel_precision`
 of the caller's precision: one TF32 pass on float32 operands for bfloat16 callers, as XLA's DEFAULT does it, and
 3xTF32 for float32 callers. The elementwise work (decays, forward substitution) is float32.
 
@@ -115,6 +116,17 @@ CHANNEL_NUM_WARPS = 8
 # the float32 T by float32 right-hand sides (one TF32 pass for bfloat16 callers). float32 inputs are unaffected.
 # Read at the call. Off until the card times it.
 LOWP_WU = False
+# The per-head kernel as three kernels, as fla's chunk_scaled_dot_kkt, solve_tril and recompute_w_u: True runs
+# `_pairs_kernel` (q_dec, k_end, P and Diag(beta) A, float32, to memory), `_solve_kernel` (T, in the inputs' 16-bit
+# dtype with LOWP_WU, else float32) and `_apply_kernel` (W, U), each one program per chunk with the warps of
+# SPLIT_FWD_WARPS; False (today) the one `_kernel`, whose [Cp, Cp] float32 work from the pair products to W and U
+# shares one program and its registers. Offline for sm_90 (C = 64, K = V = 128, bfloat16, LOWP_WU on) the one
+# kernel takes 182 registers a thread at 4 warps and 211 at 8 (two programs an SM, then one), the three 126, 167
+# and 66 at 8 warps (`results/benchmarks/cpu_2026-12-06/local_split_resources.txt`). They move Diag(beta) A and T
+# through memory once more (24-32 KiB a chunk). Forward-only calls, as `_kernel`. Read at the call. Off until the
+# card times it.
+LOCAL_SPLIT = False
+SPLIT_FWD_WARPS = (8, 8, 8)  # warps of `_pairs_kernel`, `_solve_kernel`, `_apply_kernel`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +147,8 @@ class Config:
   split_block_k: int = 64
   split_num_warps: int = 8
   lowp_wu: bool = False  # LOWP_WU at the call, for 16-bit inputs
+  split: bool = False  # LOCAL_SPLIT at the call
+  split_warps: tuple = (8, 8, 8)  # SPLIT_FWD_WARPS at the call
 
 
 def supports(g, beta, masks, beta_kind: str, dtype) -> bool:
@@ -204,11 +218,11 @@ def _decays(g, Cp):
   return row, col, jnp.exp(gam)[:, None], jnp.exp(to_end)[:, None], decay
 
 
-def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref, w_ref, u_ref, *, cfg: Config):
+def _pairs(q_ref, k_ref, g_ref, qdec_ref, kend_ref, p_ref, cfg: Config):
+  """Steps 1 and 2: writes q_dec, k_end and P; returns A (strictly lower, float32) and e^gamma [Cp, 1]."""
   Cp, Kp = k_ref.shape
   f32 = jnp.float32
-  g = g_ref[...].astype(f32)
-  row, col, e_gam, e_end, decay = _decays(g, Cp)
+  row, col, e_gam, e_end, decay = _decays(g_ref[...].astype(f32), Cp)
   KK = QK = jnp.zeros((Cp, Cp), f32)
   for j in range(Kp // cfg.block_k):
     ks = pl.ds(j * cfg.block_k, cfg.block_k)
@@ -218,18 +232,33 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref, w_ref,
     qdec_ref[:, ks] = (q.astype(f32) * e_gam).astype(qdec_ref.dtype)
     kend_ref[:, ks] = (k.astype(f32) * e_end).astype(kend_ref.dtype)
   p_ref[...] = jnp.where(row >= col, QK * decay, 0.0).astype(p_ref.dtype)
-  A = jnp.where(row > col, KK * decay, 0.0)
-  _write_wu(A, b_ref[...].astype(f32), lambda ks: e_gam, k_ref, v_ref, w_ref, u_ref, cfg)
+  return jnp.where(row > col, KK * decay, 0.0), e_gam
+
+
+def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref, w_ref, u_ref, *, cfg: Config):
+  A, e_gam = _pairs(q_ref, k_ref, g_ref, qdec_ref, kend_ref, p_ref, cfg)
+  _write_wu(A, b_ref[...].astype(jnp.float32), lambda ks: e_gam, k_ref, v_ref, w_ref, u_ref, cfg)
+
+
+def _solve_dtype(cfg: Config, dtype):
+  """The dtype of T and the right-hand sides in W's and U's products: the 16-bit inputs' with LOWP_WU (as
+  intra_chunk's LOWP_SOLVE), else float32."""
+  return dtype if cfg.lowp_wu and jnp.dtype(dtype).itemsize == 2 else jnp.float32
 
 
 def _write_wu(A, beta, e_gam, k_ref, v_ref, w_ref, u_ref, cfg: Config):
   """Steps 3 and 4: T = (I + Diag(beta) A)^{-1}, then W = T Diag(beta) k_dec and U = T Diag(beta) v over K and
   V blocks; e_gam(ks) is e^gamma for the key channels ks ([Cp, 1] for a per-head decay)."""
+  T = _invert_unit_lower(beta[:, None] * A, cfg.prec).astype(_solve_dtype(cfg, k_ref.dtype))
+  _apply_t(T, beta, e_gam, k_ref, v_ref, w_ref, u_ref, cfg)
+
+
+def _apply_t(T, beta, e_gam, k_ref, v_ref, w_ref, u_ref, cfg: Config):
+  """Step 4: W = T Diag(beta) k_dec and U = T Diag(beta) v over K and V blocks, the right-hand sides rounded to
+  T's dtype."""
   Kp, Vp = k_ref.shape[1], v_ref.shape[1]
   f32 = jnp.float32
-  # The products' operand dtype: the 16-bit inputs' with LOWP_WU (as intra_chunk's LOWP_SOLVE), else float32.
-  sdt = k_ref.dtype if cfg.lowp_wu and jnp.dtype(k_ref.dtype).itemsize == 2 else f32
-  T = _invert_unit_lower(beta[:, None] * A, cfg.prec).astype(sdt)
+  sdt = T.dtype
   for j in range(Kp // cfg.block_k):
     ks = pl.ds(j * cfg.block_k, cfg.block_k)
     rhs = beta[:, None] * (k_ref[:, ks].astype(f32) * e_gam(ks))  # beta k_dec, as intra_chunk forms it
@@ -238,6 +267,43 @@ def _write_wu(A, beta, e_gam, k_ref, v_ref, w_ref, u_ref, cfg: Config):
     vs = pl.ds(j * cfg.block_v, cfg.block_v)
     rhs = beta[:, None] * v_ref[:, vs].astype(f32)
     u_ref[:, vs] = _dot(T, rhs.astype(sdt), False, cfg.prec).astype(u_ref.dtype)
+
+
+def _pairs_kernel(q_ref, k_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref, ba_ref, *, cfg: Config):
+  """LOCAL_SPLIT's first kernel: steps 1 and 2 (`_kernel`'s), with Diag(beta) A [Cp, Cp] in float32 to memory."""
+  A, _ = _pairs(q_ref, k_ref, g_ref, qdec_ref, kend_ref, p_ref, cfg)
+  ba_ref[...] = b_ref[...].astype(jnp.float32)[:, None] * A
+
+
+def _solve_kernel(ba_ref, t_ref, *, cfg: Config):
+  """LOCAL_SPLIT's second kernel: step 3, T = (I + Diag(beta) A)^{-1} in t_ref's dtype."""
+  t_ref[...] = _invert_unit_lower(ba_ref[...], cfg.prec).astype(t_ref.dtype)
+
+
+def _apply_kernel(t_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *, cfg: Config):
+  """LOCAL_SPLIT's third kernel: step 4 from T, e^gamma recomputed from g (one cumulative sum)."""
+  f32 = jnp.float32
+  e_gam = jnp.exp(jax.lax.cumsum(g_ref[...].astype(f32), axis=0))[:, None]
+  _apply_t(t_ref[...], b_ref[...].astype(f32), lambda ks: e_gam, k_ref, v_ref, w_ref, u_ref, cfg)
+
+
+def _split_forward(cfg: Config, ins, L, Cp, Kp, Vp, odt):
+  """(q_dec, k_end, P, W, U), padded, from LOCAL_SPLIT's three kernels; ins as `_forward` pads them."""
+  q, k, v, g, beta = ins
+  rows = lambda *s: pl.BlockSpec((None,) + s, lambda i: (i,) + (0,) * len(s))
+  call = lambda kernel, ins_, outs, name, warps: pl.pallas_call(
+      functools.partial(kernel, cfg=cfg), grid=(L,), in_specs=[rows(*x.shape[1:]) for x in ins_],
+      out_specs=[rows(*o.shape[1:]) for o in outs], out_shape=outs, interpret=cfg.interpret, name=name,
+      compiler_params=pl_triton.CompilerParams(num_warps=warps, num_stages=cfg.num_stages))(*ins_)
+  out = lambda dtype, *s: jax.ShapeDtypeStruct((L,) + s, dtype)
+  pairs_warps, solve_warps, apply_warps = cfg.split_warps
+  q_dec, k_end, P, bA = call(_pairs_kernel, [q, k, g, beta],
+                             [out(odt, Cp, Kp), out(odt, Cp, Kp), out(odt, Cp, Cp), out(jnp.float32, Cp, Cp)],
+                             "gdn_chunk_local_pairs", pairs_warps)
+  (T,) = call(_solve_kernel, [bA], [out(_solve_dtype(cfg, odt), Cp, Cp)], "gdn_chunk_local_solve", solve_warps)
+  W, U = call(_apply_kernel, [T, k, v, g, beta], [out(odt, Cp, Kp), out(odt, Cp, Vp)], "gdn_chunk_local_apply",
+              apply_warps)
+  return q_dec, k_end, P, W, U
 
 
 def _level_masks(Cp: int, s: int):
@@ -475,8 +541,11 @@ def _forward(cfg: Config, q, k, v, g, beta):
   ins = [_pad(q, Cp, Kp), _pad(k, Cp, Kp), _pad(v, Cp, Vp), _pad(g, *gs), _pad(beta, Cp)]
   rows = lambda *s: pl.BlockSpec((None,) + s, lambda i: (i,) + (0,) * len(s))
   out = lambda *s: jax.ShapeDtypeStruct((L,) + s, odt)
-  kernel = functools.partial(_channel_kernel if g.ndim == 3 else _kernel,
-                             cfg=dataclasses.replace(cfg, block_k=BK, block_v=BV))
+  cfg = dataclasses.replace(cfg, block_k=BK, block_v=BV)
+  if cfg.split and g.ndim == 2:
+    q_dec, k_end, P, W, U = _split_forward(cfg, ins, L, Cp, Kp, Vp, odt)
+    return q_dec[:, :C, :K], k_end[:, :C, :K], P[:, :C, :C], W[:, :C, :K], U[:, :C, :V]
+  kernel = functools.partial(_channel_kernel if g.ndim == 3 else _kernel, cfg=cfg)
   res = pl.pallas_call(
       kernel, grid=(L,),
       in_specs=[rows(Cp, Kp), rows(Cp, Kp), rows(Cp, Vp), rows(*gs), rows(Cp)],
@@ -597,7 +666,8 @@ def make_config(prec, interpret: bool, *, block_k: Optional[int] = None, block_v
                 bwd_kernel=bwd_kernel,
                 bwd_block_k=pow2(BWD_BLOCK_K), bwd_block_v=pow2(BWD_BLOCK_V), bwd_num_warps=BWD_NUM_WARPS,
                 bwd_split=bool(BACKWARD_SPLIT if bwd_split is None else bwd_split),
-                split_block_k=pow2(SPLIT_BLOCK_K), split_num_warps=SPLIT_NUM_WARPS, lowp_wu=bool(LOWP_WU))
+                split_block_k=pow2(SPLIT_BLOCK_K), split_num_warps=SPLIT_NUM_WARPS, lowp_wu=bool(LOWP_WU),
+                split=bool(LOCAL_SPLIT), split_warps=tuple(int(w) for w in SPLIT_FWD_WARPS))
 
 
 def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "blocked", block_k: Optional[int] = None,
