@@ -17,6 +17,7 @@ rest go on.
   python -m experiments.bench_local --shapes 1,512,2,64 --check-shape 1,512,2,64 --reps 2   # a quick run
   python -m experiments.bench_local --check-shape '' --bwd-split      # the backward as two kernels
   python -m experiments.bench_local --check-shape '' --split --lowp-wu   # the forward as three kernels
+  python -m experiments.bench_local --check-shape '' --split --lowp-wu --split-vjp   # and in training
 """
 
 from __future__ import annotations
@@ -200,10 +201,14 @@ def main(argv=None):
   p.add_argument("--split-fwd-warps", default=",".join(map(str, pallas_local.SPLIT_FWD_WARPS)),
                  help="pallas_local.SPLIT_FWD_WARPS: warps of the three forward kernels of --split")
   p.add_argument("--lowp-wu", action="store_true", help="pallas_local.LOWP_WU: W and U on 16-bit operands")
+  p.add_argument("--split-vjp", action="store_true",
+                 help="pallas_local.SPLIT_VJP: with --split, differentiated calls run the three kernels and "
+                      "intra_chunk.local_vjp (the \"op fwd+bwd on\" column)")
   a = p.parse_args(argv)
   pallas_local.LOCAL_SPLIT = pallas_local.LOCAL_SPLIT or a.split
   pallas_local.SPLIT_FWD_WARPS = tuple(int(w) for w in a.split_fwd_warps.split(","))
   pallas_local.LOWP_WU = pallas_local.LOWP_WU or a.lowp_wu
+  pallas_local.SPLIT_VJP = pallas_local.SPLIT_VJP or a.split_vjp
   pallas_local.BLOCK_K, pallas_local.BLOCK_V = a.block_k, a.block_v
   pallas_local.CHANNEL_BLOCK_K, pallas_local.CHANNEL_NUM_WARPS = a.channel_block_k, a.channel_num_warps
   pallas_local.BWD_BLOCK_K, pallas_local.BWD_BLOCK_V = a.bwd_block_k, a.bwd_block_v
@@ -218,7 +223,7 @@ def main(argv=None):
         f"block_v {a.block_v}, {a.num_warps} warps, {a.num_stages} stages; backward kernel blocks {a.bwd_block_k}, "
         f"{a.bwd_block_v}, {a.bwd_num_warps} warps; BACKWARD_SPLIT {pallas_local.BACKWARD_SPLIT} (second kernel "
         f"{a.split_block_k} keys, {a.split_num_warps} warps); LOCAL_SPLIT {pallas_local.LOCAL_SPLIT} (warps "
-        f"{pallas_local.SPLIT_FWD_WARPS}), LOWP_WU {pallas_local.LOWP_WU}")
+        f"{pallas_local.SPLIT_FWD_WARPS}, SPLIT_VJP {pallas_local.SPLIT_VJP}), LOWP_WU {pallas_local.LOWP_WU}")
   if a.check_shape:
     check(tuple(map(int, a.check_shape.split(","))), a.decay)
   shapes = [tuple(map(int, s.split(","))) for s in a.shapes] if a.shapes else PRESETS["h200"]["shapes"]

@@ -252,6 +252,22 @@ def test_fused_op_float32_against_oracle(monkeypatch, backward_kernel, split):
                f"pallas with the fused chunk-local kernel (backward kernel {backward_kernel}, split {split})")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_split_vjp_op_against_oracle(monkeypatch, dtype):
+  """`SPLIT_VJP` with `LOCAL_SPLIT` (and `LOWP_WU` in bfloat16): a differentiated call runs the three kernels and
+  `intra_chunk.local_vjp` from the inputs and T, never the XLA stage; outputs and every gradient against the
+  float64 recurrence (the shapes of the two tests above)."""
+  for name, value in (("LOCAL_SPLIT", True), ("SPLIT_VJP", True), ("LOWP_WU", dtype == "bfloat16"),
+                      ("reference", None)):  # the stage's XLA forward and VJP must not run
+    monkeypatch.setattr(pallas_local, name, value)
+  if dtype == "float32":
+    x = make_inputs(31, 2, 40, 1, 2, 16, 19, "head", "head")
+    assert_close(_fused_op(monkeypatch, x, 16), oracle(x), 1e-5, "pallas, the split kernels and their VJP")
+  else:
+    x_bf, x_ref = bfloat16_inputs(make_inputs(32, 1, 48, 2, 2, 16, 16, "head", "head"))
+    assert_close(_fused_op(monkeypatch, x_bf, 16), oracle(x_ref), 2e-2, "bf16 pallas, the split kernels and VJP")
+
+
 @pytest.mark.parametrize("backward_kernel, split", BACKWARDS)
 def test_fused_op_bfloat16_against_oracle(monkeypatch, backward_kernel, split):
   x_bf, x_ref = bfloat16_inputs(make_inputs(32 + 4 * backward_kernel, 1, 48, 2, 2, 16, 16, "head", "head"))
@@ -341,6 +357,18 @@ def test_compiled_op_with_backward_kernel_on_gpu(monkeypatch, dtype, tol):
     x, x_ref = bfloat16_inputs(x)
   assert_close(_fused_op(monkeypatch, x, 64, backward_kernel=True), oracle(x_ref), tol,
                f"gpu pallas fused local forward and backward {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
+def test_compiled_op_with_split_vjp_on_gpu(monkeypatch, dtype, tol):
+  """As test_compiled_op_on_gpu, with LOCAL_SPLIT and SPLIT_VJP on (and LOWP_WU in bfloat16)."""
+  for name, value in (("LOCAL_SPLIT", True), ("SPLIT_VJP", True), ("LOWP_WU", dtype == "bfloat16")):
+    monkeypatch.setattr(pallas_local, name, value)
+  x = x_ref = make_inputs(38, 2, 1024, 4, 4, 128, 128, "head", "head")
+  if dtype == "bfloat16":
+    x, x_ref = bfloat16_inputs(x)
+  assert_close(_fused_op(monkeypatch, x, 64), oracle(x_ref), tol, f"gpu pallas split kernels and their VJP {dtype}")
 
 
 def test_default_uses_the_kernel_only_where_it_compiles(monkeypatch):

@@ -703,6 +703,14 @@ def _local_bwd(prec, res, ct):
 _local_own_vjp.defvjp(_local_fwd, _local_bwd)
 
 
+def local_vjp(prec, q, k, v, g, beta, T, ct: Local):
+  """(dq, dk, dv, dg, dbeta): the VJP of `local` (per-head decay g [L, C] and beta [L, C], blocked solver, no
+  segment masks) at its inputs, from the inverse T = (I + Diag(beta) A)^{-1} [L, C, C] and the cotangents `ct` of its
+  eight outputs (zeros where an output is not used): LOCAL_VJP's backward, for a forward computed elsewhere
+  (`pallas_local`'s kernels with SPLIT_VJP), which need keep only the inputs and T."""
+  return _local_bwd(prec, (q, k, v, g, beta, None, T), ct)[:5]
+
+
 def solve_unit_lower(L, rhs):
   """(I + L)^{-1} rhs for strictly lower-triangular L: forward substitution, exact for any L (a Neumann
   series in L overflows when keys inside a chunk are correlated)."""

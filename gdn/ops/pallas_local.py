@@ -45,7 +45,8 @@ recomputed in the backward, cost 2-4% more in forward+backward than XLA alone (d
 step now runs exactly the XLA program. With `BACKWARD_KERNEL` on, the forward rule runs the kernel and saves its
 inputs, and the backward rule runs `_bwd_kernel`, which recomputes the decays, A and T per chunk; with
 `BACKWARD_SPLIT` also on, two kernels instead (`_split_backward`): the solve per chunk, then dq and dk per chunk
-and block of keys from the [Cp, Cp] float32 T and dM it writes.
+and block of keys from the [Cp, Cp] float32 T and dM it writes. With `LOCAL_SPLIT` and `SPLIT_VJP` on, the forward
+rule runs the three split kernels and saves the inputs and T, and the backward rule is `intra_chunk.local_vjp`.
 
 Triton constraints the kernel keeps (Pallas' interpreter checks none of them): power-of-two blocks, at least 16
 along every dot dimension, 2-D dots, static slices of refs only, no slicing of loaded values (blocks are
@@ -127,6 +128,12 @@ LOWP_WU = False
 # card times it.
 LOCAL_SPLIT = False
 SPLIT_FWD_WARPS = (8, 8, 8)  # warps of `_pairs_kernel`, `_solve_kernel`, `_apply_kernel`
+# A differentiated call with LOCAL_SPLIT (per-head decay; BACKWARD_KERNEL off): True runs the three kernels there too,
+# keeps only the stage's inputs and T (from `_solve_kernel`), and takes `intra_chunk.local_vjp` as the backward
+# (LOCAL_VJP's: it recomputes the decays, k k^T and q k^T as XLA matmuls); False (today) runs XLA's stage and its
+# autodiff there. Read at the call. Off until the card times it: LOCAL_VJP's backward after XLA's forward was 6-13%
+# slower than autodiff on the H200 (docs/benchmarks.md), and the kernels' forward is what could pay for it.
+SPLIT_VJP = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +156,7 @@ class Config:
   lowp_wu: bool = False  # LOWP_WU at the call, for 16-bit inputs
   split: bool = False  # LOCAL_SPLIT at the call
   split_warps: tuple = (8, 8, 8)  # SPLIT_FWD_WARPS at the call
+  split_vjp: bool = False  # SPLIT_VJP at the call
 
 
 def supports(g, beta, masks, beta_kind: str, dtype) -> bool:
@@ -288,7 +296,7 @@ def _apply_kernel(t_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *, cfg: Confi
 
 
 def _split_forward(cfg: Config, ins, L, Cp, Kp, Vp, odt):
-  """(q_dec, k_end, P, W, U), padded, from LOCAL_SPLIT's three kernels; ins as `_forward` pads them."""
+  """(q_dec, k_end, P, W, U, T), padded, from LOCAL_SPLIT's three kernels; ins as `_forward` pads them."""
   q, k, v, g, beta = ins
   rows = lambda *s: pl.BlockSpec((None,) + s, lambda i: (i,) + (0,) * len(s))
   call = lambda kernel, ins_, outs, name, warps: pl.pallas_call(
@@ -303,7 +311,7 @@ def _split_forward(cfg: Config, ins, L, Cp, Kp, Vp, odt):
   (T,) = call(_solve_kernel, [bA], [out(_solve_dtype(cfg, odt), Cp, Cp)], "gdn_chunk_local_solve", solve_warps)
   W, U = call(_apply_kernel, [T, k, v, g, beta], [out(odt, Cp, Kp), out(odt, Cp, Vp)], "gdn_chunk_local_apply",
               apply_warps)
-  return q_dec, k_end, P, W, U
+  return q_dec, k_end, P, W, U, T
 
 
 def _level_masks(Cp: int, s: int):
@@ -529,9 +537,10 @@ def _pad(x, *target):
   return jnp.pad(x, [(0, 0)] * (x.ndim - len(target)) + [(0, t - s) for s, t in zip(x.shape[-len(target):], target)])
 
 
-def _forward(cfg: Config, q, k, v, g, beta):
+def _forward(cfg: Config, q, k, v, g, beta, with_t: bool = False):
   """(q_dec, k_end, P, W, U) [L, C, ...] in k's dtype, from q (scaled), k [L, C, K], v [L, C, V], g [L, C] (per
-  head: `_kernel`) or [L, C, K] (per key channel: `_channel_kernel`), beta [L, C]."""
+  head: `_kernel`, or LOCAL_SPLIT's three) or [L, C, K] (per key channel: `_channel_kernel`), beta [L, C]; with
+  `with_t` (LOCAL_SPLIT's kernels only), and T [L, C, C]."""
   L, C, K = k.shape
   V = v.shape[-1]
   Cp, Kp, Vp = pow2(C), pow2(K), pow2(V)
@@ -543,8 +552,9 @@ def _forward(cfg: Config, q, k, v, g, beta):
   out = lambda *s: jax.ShapeDtypeStruct((L,) + s, odt)
   cfg = dataclasses.replace(cfg, block_k=BK, block_v=BV)
   if cfg.split and g.ndim == 2:
-    q_dec, k_end, P, W, U = _split_forward(cfg, ins, L, Cp, Kp, Vp, odt)
-    return q_dec[:, :C, :K], k_end[:, :C, :K], P[:, :C, :C], W[:, :C, :K], U[:, :C, :V]
+    q_dec, k_end, P, W, U, T = _split_forward(cfg, ins, L, Cp, Kp, Vp, odt)
+    out = q_dec[:, :C, :K], k_end[:, :C, :K], P[:, :C, :C], W[:, :C, :K], U[:, :C, :V]
+    return (out, T[:, :C, :C]) if with_t else out
   kernel = functools.partial(_channel_kernel if g.ndim == 3 else _kernel, cfg=cfg)
   res = pl.pallas_call(
       kernel, grid=(L,),
@@ -631,9 +641,16 @@ def _fused(cfg: Config, q, k, v, g, beta):
   return _forward(cfg, q, k, v, g, beta)
 
 
+def _takes_split_vjp(cfg: Config, g) -> bool:
+  return cfg.split and cfg.split_vjp and not cfg.bwd_kernel and g.ndim == 2
+
+
 def _fused_fwd(cfg, q, k, v, g, beta):
   if cfg.bwd_kernel:
     return _forward(cfg, q, k, v, g, beta), (q, k, v, g, beta)
+  if _takes_split_vjp(cfg, g):
+    out, T = _forward(cfg, q, k, v, g, beta, with_t=True)
+    return out, (q, k, v, g, beta, T)
   out, vjp = jax.vjp(functools.partial(reference, cfg.ref_prec), q, k, v, g, beta)
   return out, (vjp, k)
 
@@ -643,6 +660,13 @@ def _fused_bwd(cfg, res, cts):
   cts = tuple(ct.astype(k.dtype) for ct in cts)  # every output's dtype: a cotangent may come back wider
   if cfg.bwd_kernel:
     return backward_kernel(cfg, *res, cts)
+  if len(res) == 6:  # SPLIT_VJP's forward saved the inputs and T
+    q, k, v, g, beta, T = res
+    dq_dec, dk_end, dP, dW, dU = cts
+    L, C = g.shape
+    ct = intra_chunk.Local(q_dec=dq_dec, k_dec=jnp.zeros_like(dq_dec), k_end=dk_end, decay=jnp.zeros((L, 1), g.dtype),
+                           P=dP, A=jnp.zeros_like(dP), W=dW, U=dU)
+    return intra_chunk.local_vjp(cfg.ref_prec, q, k, v, g, beta, T, ct)
   vjp, _ = res
   return vjp(cts)
 
@@ -667,7 +691,8 @@ def make_config(prec, interpret: bool, *, block_k: Optional[int] = None, block_v
                 bwd_block_k=pow2(BWD_BLOCK_K), bwd_block_v=pow2(BWD_BLOCK_V), bwd_num_warps=BWD_NUM_WARPS,
                 bwd_split=bool(BACKWARD_SPLIT if bwd_split is None else bwd_split),
                 split_block_k=pow2(SPLIT_BLOCK_K), split_num_warps=SPLIT_NUM_WARPS, lowp_wu=bool(LOWP_WU),
-                split=bool(LOCAL_SPLIT), split_warps=tuple(int(w) for w in SPLIT_FWD_WARPS))
+                split=bool(LOCAL_SPLIT), split_warps=tuple(int(w) for w in SPLIT_FWD_WARPS),
+                split_vjp=bool(SPLIT_VJP))
 
 
 def local(q, k, v, g, beta, masks, *, beta_kind: str, prec, solver: str = "blocked", block_k: Optional[int] = None,
