@@ -5,6 +5,7 @@ and `gated_delta_rule(..., g_lower_bound=LB)` (KDA's bounded gate: matmuls throu
 operands in float32 or, `intra_chunk.BOUNDED_LOWP_DOTS`, in bfloat16).
 
   python -m experiments.kda_local_accuracy            # CPU, about a minute
+  python -m experiments.kda_local_accuracy --dtypes float32   # the float32 rows only
 
 Rows: float32 inputs with the log-decays g all at the bound (-5: every sub-chunk spans -80, the bounded form's
 largest factors), all at -1, drawn (a third at the bound, a third within 1e-3 of 0, the rest uniform in [-5, 0]),
@@ -84,7 +85,12 @@ def run_form(x: dict, dtype, form) -> dict:
 
 
 def main(argv=None) -> list:
-  argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--dtypes", default="float32,bfloat16", help="the input dtypes whose rows run (comma-separated)")
+  a = p.parse_args(argv)
+  dtypes = a.dtypes.split(",")
+  if not dtypes or not set(dtypes) <= {"float32", "bfloat16"}:
+    p.error(f"--dtypes takes float32 and/or bfloat16, got {a.dtypes!r}")
   exact, every = (PAIRWISE, DYADIC), (PAIRWISE, DYADIC, BOUNDED)
   rows = [("float32, g = -5 everywhere", "-5", jnp.float32, every),
           ("float32, g = -1 everywhere", "-1", jnp.float32, every),
@@ -96,7 +102,7 @@ def main(argv=None) -> list:
   print("| inputs | form | " + " | ".join(cols) + " |")
   print("|---|---|" + "---:|" * len(cols))
   out = []
-  for label, g_case, dtype, forms in rows:
+  for label, g_case, dtype, forms in [r for r in rows if jnp.dtype(r[2]).name in dtypes]:
     x = make(g_case)
     if dtype == jnp.bfloat16:  # the oracle sees the values the bfloat16 inputs hold
       x = {n: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) if n in ("q", "k", "v", "g", "beta") else a
