@@ -122,8 +122,9 @@ LOWP_WU = False
 # dtype with LOWP_WU, else float32) and `_apply_kernel` (W, U), each one program per chunk with the warps of
 # SPLIT_FWD_WARPS; False (today) the one `_kernel`, whose [Cp, Cp] float32 work from the pair products to W and U
 # shares one program and its registers. Offline for sm_90 (C = 64, K = V = 128, bfloat16, LOWP_WU on) the one
-# kernel takes 182 registers a thread at 4 warps and 211 at 8 (two programs an SM, then one), the three 126, 167
-# and 66 at 8 warps (`results/benchmarks/cpu_2026-12-06/local_split_resources.txt`). They move Diag(beta) A and T
+# kernel takes 182 registers a thread at 4 warps and 211 at 8 (two programs an SM, then one), the three 126, 128
+# and 66 at 8 warps (`results/benchmarks/cpu_2026-12-06/local_split_resources.txt`; the solve by 16 x 16 blocks, as
+# fla's solve_tril, where the one kernel's [Cp, Cp] merges took 167). They move Diag(beta) A and T
 # through memory once more (24-32 KiB a chunk). Forward-only calls, as `_kernel`. Read at the call. Off until the
 # card times it.
 LOCAL_SPLIT = False
@@ -283,9 +284,35 @@ def _pairs_kernel(q_ref, k_ref, g_ref, b_ref, qdec_ref, kend_ref, p_ref, ba_ref,
   ba_ref[...] = b_ref[...].astype(jnp.float32)[:, None] * A
 
 
+def _invert_sub(L):
+  """(I + L)^{-1} [SUB, SUB] for a strictly lower-triangular float32 L, by forward substitution: row r of
+  Ti = T - I is -L_r - sum_{j < r} L_rj Ti_j (`_invert_unit_lower`'s, on one block)."""
+  rows = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+  Ti = -L
+  for r in range(2, SUB):
+    a = -jnp.sum(jnp.where(rows == r, L, 0.0), axis=0)  # row r of -L
+    Ti = jnp.where(rows == r, (a + jnp.sum(a[:, None] * Ti, axis=0))[None, :], Ti)
+  return Ti + (rows == jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)).astype(jnp.float32)
+
+
 def _solve_kernel(ba_ref, t_ref, *, cfg: Config):
-  """LOCAL_SPLIT's second kernel: step 3, T = (I + Diag(beta) A)^{-1} in t_ref's dtype."""
-  t_ref[...] = _invert_unit_lower(ba_ref[...], cfg.prec).astype(t_ref.dtype)
+  """LOCAL_SPLIT's second kernel: step 3, T = (I + Diag(beta) A)^{-1} in t_ref's dtype, block by block of SUB x
+  SUB (fla's solve_tril): each diagonal block T_ii = (I + L_ii)^{-1} by forward substitution, then block forward
+  substitution for the blocks below, T_ij = -T_ii sum_{j <= k < i} L_ik T_kj, as [SUB, SUB] dots loaded and
+  stored as static slices of the refs; at most M (M + 1) / 2 of them float32 in registers, where
+  `_invert_unit_lower`'s merges keep several [Cp, Cp] matrices live."""
+  M = ba_ref.shape[0] // SUB
+  blk = lambda i: pl.ds(i * SUB, SUB)
+  L = lambda i, j: ba_ref[blk(i), blk(j)].astype(jnp.float32)
+  T = {}
+  for i in range(M):
+    T[i, i] = _invert_sub(L(i, i))
+    for j in range(i - 1, -1, -1):
+      acc = sum(_dot(L(i, k), T[k, j], False, cfg.prec) for k in range(j, i))
+      T[i, j] = -_dot(T[i, i], acc, False, cfg.prec)
+  for i in range(M):
+    for j in range(M):
+      t_ref[blk(i), blk(j)] = (T[i, j] if j <= i else jnp.zeros((SUB, SUB), jnp.float32)).astype(t_ref.dtype)
 
 
 def _apply_kernel(t_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *, cfg: Config):
