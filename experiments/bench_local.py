@@ -131,8 +131,8 @@ def stage_backward(x, prec):
           "local bwd kernel": (jax.jit(lambda x, cts: pallas_local.backward_kernel(cfg, *x, cts)), (tuple(x), cts))}
 
 
-def time_shape(shape, dtype, decay, reps):
-  """{variant: ms or error line}; the backward kernel's variants only for a per-head decay."""
+def time_shape(shape, dtype, decay, reps, bwd_kernel: bool = True):
+  """{variant: ms or error line}; the backward kernel's variants only for a per-head decay and with `bwd_kernel`."""
   row = {}
 
   def run(name, thunk):
@@ -148,22 +148,22 @@ def time_shape(shape, dtype, decay, reps):
   run("local pallas", lambda: timed(jax.jit(lambda *a: fields(kernel_local(*a, None, **kw))), x, reps))
   try:
     for name, (fn, fargs) in stage_backward(x, prec).items():
-      if decay == "head" or name == "local bwd xla":
+      if (decay == "head" and bwd_kernel) or name == "local bwd xla":
         run(name, lambda: timed(fn, fargs, reps))
   except Exception as e:  # report and go on
     row["local bwd xla"] = f"failed: {_last_line(e)}"
     print(f"  {shape} local bwd: {row['local bwd xla']}", flush=True)
   args, rng = inputs(shape, dtype, decay)
   do = jnp.asarray(rng.normal(size=args[2].shape), dtype)
-  for fused, bwd_kernel in ((False, False), (True, False), (True, True))[:3 if decay == "head" else 2]:
-    f = op_fn(fused, bwd_kernel)
+  for fused, kernel in ((False, False), (True, False), (True, True))[:3 if decay == "head" and bwd_kernel else 2]:
+    f = op_fn(fused, kernel)
 
     def fwd_bwd(*a, f=f):
       _, vjp = jax.vjp(f, *a)
       return vjp(do)
 
-    tag = "bwd kernel" if bwd_kernel else "on" if fused else "off"
-    if not bwd_kernel:  # the forward does not change with BACKWARD_KERNEL
+    tag = "bwd kernel" if kernel else "on" if fused else "off"
+    if not kernel:  # the forward does not change with BACKWARD_KERNEL
       run(f"op fwd {tag}", lambda: timed(jax.jit(f), args, reps))
     run(f"op fwd+bwd {tag}", lambda: timed(jax.jit(fwd_bwd), args, reps))
   return row
@@ -201,6 +201,7 @@ def main(argv=None):
   p.add_argument("--split-fwd-warps", default=",".join(map(str, pallas_local.SPLIT_FWD_WARPS)),
                  help="pallas_local.SPLIT_FWD_WARPS: warps of the three forward kernels of --split")
   p.add_argument("--lowp-wu", action="store_true", help="pallas_local.LOWP_WU: W and U on 16-bit operands")
+  p.add_argument("--no-bwd-kernel", action="store_true", help="leave out the backward kernel's two columns")
   p.add_argument("--split-vjp", action="store_true",
                  help="pallas_local.SPLIT_VJP: with --split, differentiated calls run the three kernels and "
                       "intra_chunk.local_vjp (the \"op fwd+bwd on\" column)")
@@ -230,7 +231,7 @@ def main(argv=None):
   dtype = jnp.dtype(a.dtype)
   rows = []
   for shape in shapes:
-    rows.append((shape, time_shape(shape, dtype, a.decay, a.reps)))
+    rows.append((shape, time_shape(shape, dtype, a.decay, a.reps, bwd_kernel=not a.no_bwd_kernel)))
   print(f"## median ms, {a.dtype}, {a.decay} decay: chunk-local stage forward (XLA, Pallas) and backward alone (XLA VJP, kernel), "
         "whole op method='pallas' with FUSED_LOCAL off / on / on with BACKWARD_KERNEL")
   print("| B, T, H, D | " + " | ".join(COLUMNS) + " | local speedup | local bwd speedup | fwd+bwd speedup (on, bwd "
