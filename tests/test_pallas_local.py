@@ -130,8 +130,10 @@ def test_lowp_wu_takes_16_bit_operands_and_the_xla_stages_values(monkeypatch, lo
   assert max(errs.values()) <= (1e-3 if lowp else 2e-2), errs
 
 
-@pytest.mark.parametrize("dtype, lowp, L, C, K, V", [("float32", False, 4, 8, 5, 19), ("float32", False, 2, 64, 128, 16),
-                                                   ("bfloat16", False, 3, 64, 32, 48), ("bfloat16", True, 3, 64, 32, 48)])
+@pytest.mark.parametrize("dtype, lowp, L, C, K, V", [("float32", False, 4, 8, 5, 19),
+                                                   ("float32", False, 2, 64, 128, 16),
+                                                   ("bfloat16", False, 3, 64, 32, 48),
+                                                   ("bfloat16", True, 3, 64, 32, 48)])
 def test_split_kernels_equal_the_one_kernel(monkeypatch, dtype, lowp, L, C, K, V):
   """`LOCAL_SPLIT`'s three kernels give the one kernel's fields to float32 rounding (T by block forward substitution
   in place of the merges, through memory in the dtype its products read), padded shapes and two steps of the key

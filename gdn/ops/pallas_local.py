@@ -34,7 +34,8 @@ overflows even at g = -1e4 (total forgetting).
 
 Dots: the inputs' dtype for k k^T and q k^T and the per-key-channel kernel's off-diagonal blocks (the keys and
 queries times their decays, rounded to it: bfloat16 operands for bfloat16 callers), float32 operands for the
-inverse and W, U (its entries are float32 values; 16-bit for W and U with `LOWP_WU`), all accumulated in float32, at `pallas_common.kernel_precision`
+inverse and W, U (its entries are float32 values; 16-bit for W and U with `LOWP_WU`), all accumulated in float32,
+at `pallas_common.kernel_precision`
 of the caller's precision: one TF32 pass on float32 operands for bfloat16 callers, as XLA's DEFAULT does it, and
 3xTF32 for float32 callers. The elementwise work (decays, forward substitution) is float32.
 
