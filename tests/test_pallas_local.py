@@ -374,6 +374,50 @@ def test_compiled_op_with_split_vjp_on_gpu(monkeypatch, dtype, tol):
   assert_close(_fused_op(monkeypatch, x, 64), oracle(x_ref), tol, f"gpu pallas split kernels and their VJP {dtype}")
 
 
+@pytest.mark.parametrize("C, lead", [(16, (3,)), (64, (2, 3))])
+def test_solve_equals_the_xla_inverse(C, lead):
+  """`pallas_local.solve` (16 x 16 blocks, block forward substitution) against XLA's blocked inverse and the float64
+  inverse, for strictly lower L with entries as large as Diag(beta) A's (beta up to 2, unit keys)."""
+  rng = np.random.default_rng(C)
+  L = np.tril(rng.uniform(-1.0, 1.0, lead + (C, C)), -1) * 0.3
+  prec = jax.lax.Precision.HIGHEST
+  got = jax.jit(lambda x: pallas_local.solve(x, prec, jnp.float32))(jnp.asarray(L, jnp.float32))
+  xla = intra_chunk._invert_unit_lower(jnp.asarray(L, jnp.float32), prec, 16)
+  want = np.linalg.inv(np.eye(C) + L)
+  assert got.shape == L.shape and got.dtype == jnp.float32
+  assert rel_err(got, want) <= 1e-5 and rel_err(got, xla) <= 1e-5, (rel_err(got, want), rel_err(got, xla))
+  assert np.all(np.asarray(got)[..., np.triu_indices(C, 1)[0], np.triu_indices(C, 1)[1]] == 0)
+
+
+def test_solve_lowers_to_triton():
+  L = jax.ShapeDtypeStruct((2, 4, 64, 64), jnp.float32)
+  hlo = cuda_hlo(jax.jit(lambda x: pallas_local.solve(x, jax.lax.Precision.DEFAULT, jnp.bfloat16, interpret=False)), L)
+  assert hlo.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("decay, dtype", [("head", "float32"), ("channel", "float32"), ("head", "bfloat16")])
+def test_solve_kernel_switch_in_the_xla_stage(monkeypatch, decay, dtype):
+  """`intra_chunk.SOLVE_KERNEL`: the XLA chunk-local stage (`method="chunk"`) takes T's value from the kernel in
+  forward-only and differentiated calls, per-head and per-key-channel decay; outputs and every gradient against the
+  float64 recurrence (T = 40 over chunks of 16, the last padded)."""
+  monkeypatch.setattr(intra_chunk, "SOLVE_KERNEL", True)
+  x = x_ref = make_inputs(41, 1, 40, 2, 2, 16, 16, decay, "head")
+  if dtype == "bfloat16":
+    x, x_ref = bfloat16_inputs(x)
+  diff, seg, co = vjp_inputs(x)
+  op = lambda d: ops.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"], initial_state=d["initial_state"],
+                                      segment_ids=seg, method="chunk", chunk_size=16)
+
+  def f(diff):
+    (o, S), vjp = jax.vjp(op, diff)
+    return o, S, vjp((co[0].astype(o.dtype), co[1].astype(S.dtype)))[0]
+
+  assert "gdn_chunk_local_solve" in str(jax.make_jaxpr(f)(diff))
+  o, S, grads = jax.jit(f)(diff)
+  got = (np.asarray(o, np.float64), np.asarray(S, np.float64), {n: np.asarray(g, np.float64) for n, g in grads.items()})
+  assert_close(got, oracle(x_ref), 1e-5 if dtype == "float32" else 2e-2, f"chunk, SOLVE_KERNEL, {decay} {dtype}")
+
+
 def test_default_uses_the_kernel_only_where_it_compiles(monkeypatch):
   """FUSED_LOCAL None: the fused kernel where the Pallas kernels compile, XLA's chunk-local work in the
   interpreter (CPU); True forces the kernel (interpreted here)."""

@@ -721,6 +721,22 @@ def solve_unit_lower(L, rhs):
 # through the forward substitution (the chain of row updates, reversed). Read at trace time; a switch so that
 # `experiments/bench_ops.py --switch intra_chunk.INVERSE_VJP=off,on` can time both in one process.
 INVERSE_VJP = True
+# The inverse's value (T from L, forward only; its VJP is INVERSE_VJP's, from T) through one Pallas kernel,
+# `pallas_local.solve` (16 x 16 blocks, block forward substitution, as fla's solve_tril), in place of XLA's row
+# updates and merges (about 20 small kernels a call): True where it takes L (float32, C a power of two >= 16,
+# blocks of 16 with INVERSE_VJP), on any backend (Pallas' interpreter off a GPU); False (today), XLA's. Both
+# differentiated and forward-only calls of the XLA chunk-local stage use it, per-head and per-key-channel decay
+# alike. Read at trace time. Off until the card times it.
+SOLVE_KERNEL = False
+
+
+def _inverse_value(L, prec, block, dtype):
+  """T = (I + L)^{-1} in `dtype`: `pallas_local.solve` with SOLVE_KERNEL where it takes L, else XLA's."""
+  if SOLVE_KERNEL and INVERSE_VJP and block == 16:
+    from gdn.ops import pallas_local  # it imports this module
+    if pallas_local.solve_supports(L):
+      return pallas_local.solve(L, prec, dtype)
+  return _invert_unit_lower(L, prec, block).astype(dtype)
 
 
 def invert_unit_lower(L, prec, block: int = 16, dtype=None):
@@ -741,11 +757,11 @@ def invert_unit_lower(L, prec, block: int = 16, dtype=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _inverse_own_vjp(L, prec, block, dtypes):
-  return _invert_unit_lower(L, prec, block).astype(dtypes[1])
+  return _inverse_value(L, prec, block, dtypes[1])
 
 
 def _invert_unit_lower_fwd(L, prec, block, dtypes):
-  T = _invert_unit_lower(L, prec, block).astype(dtypes[1])
+  T = _inverse_value(L, prec, block, dtypes[1])
   return T, T
 
 

@@ -316,6 +316,33 @@ def _solve_kernel(ba_ref, t_ref, *, cfg: Config):
       t_ref[blk(i), blk(j)] = (T[i, j] if j <= i else jnp.zeros((SUB, SUB), jnp.float32)).astype(t_ref.dtype)
 
 
+def _solve_call(cfg: Config, bA, dtype, num_warps: int):
+  """T [n, Cp, Cp] in `dtype` from Diag(beta) A [n, Cp, Cp] float32: `_solve_kernel`, one program a chunk."""
+  n, Cp = bA.shape[0], bA.shape[-1]
+  rows = pl.BlockSpec((None, Cp, Cp), lambda i: (i, 0, 0))
+  return pl.pallas_call(
+      functools.partial(_solve_kernel, cfg=cfg), grid=(n,), in_specs=[rows], out_specs=rows,
+      out_shape=jax.ShapeDtypeStruct((n, Cp, Cp), dtype), interpret=cfg.interpret, name="gdn_chunk_local_solve",
+      compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=cfg.num_stages))(bA)
+
+
+def solve_supports(L) -> bool:
+  """Whether `solve` takes L: float32 [.., C, C], C a power of two of at least SUB."""
+  C = L.shape[-1]
+  return L.dtype == jnp.float32 and L.ndim >= 2 and L.shape[-2] == C and C >= SUB and C & (C - 1) == 0
+
+
+def solve(L, prec, dtype, interpret: Optional[bool] = None):
+  """(I + L)^{-1} [.., C, C] in `dtype` for a strictly lower-triangular float32 L (`solve_supports`): LOCAL_SPLIT's
+  solve kernel (16 x 16 blocks), one program per matrix, with SPLIT_FWD_WARPS' second entry;
+  `intra_chunk.SOLVE_KERNEL` routes `intra_chunk.invert_unit_lower`'s value here. interpret: Pallas' interpreter,
+  None: where the default backend is not a GPU."""
+  interpret = default_interpret() if interpret is None else interpret
+  cfg = make_config(prec, interpret)
+  C = L.shape[-1]
+  return _solve_call(cfg, L.reshape((-1, C, C)), dtype, cfg.split_warps[1]).reshape(L.shape)
+
+
 def _apply_kernel(t_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *, cfg: Config):
   """LOCAL_SPLIT's third kernel: step 4 from T, e^gamma recomputed from g (one cumulative sum)."""
   f32 = jnp.float32
@@ -336,7 +363,7 @@ def _split_forward(cfg: Config, ins, L, Cp, Kp, Vp, odt):
   q_dec, k_end, P, bA = call(_pairs_kernel, [q, k, g, beta],
                              [out(odt, Cp, Kp), out(odt, Cp, Kp), out(odt, Cp, Cp), out(jnp.float32, Cp, Cp)],
                              "gdn_chunk_local_pairs", pairs_warps)
-  (T,) = call(_solve_kernel, [bA], [out(_solve_dtype(cfg, odt), Cp, Cp)], "gdn_chunk_local_solve", solve_warps)
+  T = _solve_call(cfg, bA, _solve_dtype(cfg, odt), solve_warps)
   W, U = call(_apply_kernel, [T, k, v, g, beta], [out(odt, Cp, Kp), out(odt, Cp, Vp)], "gdn_chunk_local_apply",
               apply_warps)
   return q_dec, k_end, P, W, U, T
