@@ -207,7 +207,10 @@ def main(argv=None):
                       "intra_chunk.local_vjp (the \"op fwd+bwd on\" column)")
   a = p.parse_args(argv)
   pallas_local.LOCAL_SPLIT = pallas_local.LOCAL_SPLIT or a.split
-  pallas_local.SPLIT_FWD_WARPS = tuple(int(w) for w in a.split_fwd_warps.split(","))
+  warps = a.split_fwd_warps.split(",")
+  if len(warps) != 3 or not all(w.isdigit() and int(w) > 0 for w in warps):
+    p.error(f"--split-fwd-warps takes three positive warp counts P,S,A, got {a.split_fwd_warps!r}")
+  pallas_local.SPLIT_FWD_WARPS = tuple(map(int, warps))
   pallas_local.LOWP_WU = pallas_local.LOWP_WU or a.lowp_wu
   pallas_local.SPLIT_VJP = pallas_local.SPLIT_VJP or a.split_vjp
   pallas_local.BLOCK_K, pallas_local.BLOCK_V = a.block_k, a.block_v

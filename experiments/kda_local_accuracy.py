@@ -89,7 +89,7 @@ def main(argv=None) -> list:
   p.add_argument("--dtypes", default="float32,bfloat16", help="the input dtypes whose rows run (comma-separated)")
   a = p.parse_args(argv)
   dtypes = a.dtypes.split(",")
-  if not dtypes or not set(dtypes) <= {"float32", "bfloat16"}:
+  if not set(dtypes) <= {"float32", "bfloat16"}:
     p.error(f"--dtypes takes float32 and/or bfloat16, got {a.dtypes!r}")
   exact, every = (PAIRWISE, DYADIC), (PAIRWISE, DYADIC, BOUNDED)
   rows = [("float32, g = -5 everywhere", "-5", jnp.float32, every),

@@ -723,7 +723,7 @@ def solve_unit_lower(L, rhs):
 INVERSE_VJP = True
 # The inverse's value (T from L, forward only; its VJP is INVERSE_VJP's, from T) through one Pallas kernel,
 # `pallas_local.solve` (16 x 16 blocks, block forward substitution, as fla's solve_tril), in place of XLA's row
-# updates and merges (about 20 small kernels a call): True where it takes L (float32, C a power of two >= 16,
+# updates (one a row of a 16-row block) and merges: True where it takes L (float32, C a power of two >= 16,
 # blocks of 16 with INVERSE_VJP), on any backend (Pallas' interpreter off a GPU); False (today), XLA's. Both
 # differentiated and forward-only calls of the XLA chunk-local stage use it, per-head and per-key-channel decay
 # alike. Read at trace time. Off until the card times it.

@@ -718,7 +718,7 @@ def _fused_bwd(cfg, res, cts):
   if len(res) == 6:  # SPLIT_VJP's forward saved the inputs and T
     q, k, v, g, beta, T = res
     dq_dec, dk_end, dP, dW, dU = cts
-    L, C = g.shape
+    L = g.shape[0]
     ct = intra_chunk.Local(q_dec=dq_dec, k_dec=jnp.zeros_like(dq_dec), k_end=dk_end, decay=jnp.zeros((L, 1), g.dtype),
                            P=dP, A=jnp.zeros_like(dP), W=dW, U=dU)
     return intra_chunk.local_vjp(cfg.ref_prec, q, k, v, g, beta, T, ct)
