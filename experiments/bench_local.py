@@ -200,7 +200,8 @@ def main(argv=None):
   p.add_argument("--split", action="store_true", help="pallas_local.LOCAL_SPLIT: the forward as three kernels")
   p.add_argument("--split-fwd-warps", default=",".join(map(str, pallas_local.SPLIT_FWD_WARPS)),
                  help="pallas_local.SPLIT_FWD_WARPS: warps of the three forward kernels of --split")
-  p.add_argument("--lowp-wu", action="store_true", help="pallas_local.LOWP_WU: W and U on 16-bit operands")
+  p.add_argument("--lowp-wu", action=argparse.BooleanOptionalAction, default=None,
+                 help="pallas_local.LOWP_WU: W and U on 16-bit operands (default: the module's, on)")
   p.add_argument("--no-bwd-kernel", action="store_true", help="leave out the backward kernel's two columns")
   p.add_argument("--split-vjp", action="store_true",
                  help="pallas_local.SPLIT_VJP: with --split, differentiated calls run the three kernels and "
@@ -211,7 +212,8 @@ def main(argv=None):
   if len(warps) != 3 or not all(w.isdigit() and int(w) > 0 for w in warps):
     p.error(f"--split-fwd-warps takes three positive warp counts P,S,A, got {a.split_fwd_warps!r}")
   pallas_local.SPLIT_FWD_WARPS = tuple(map(int, warps))
-  pallas_local.LOWP_WU = pallas_local.LOWP_WU or a.lowp_wu
+  if a.lowp_wu is not None:
+    pallas_local.LOWP_WU = a.lowp_wu
   pallas_local.SPLIT_VJP = pallas_local.SPLIT_VJP or a.split_vjp
   pallas_local.BLOCK_K, pallas_local.BLOCK_V = a.block_k, a.block_v
   pallas_local.CHANNEL_BLOCK_K, pallas_local.CHANNEL_NUM_WARPS = a.channel_block_k, a.channel_num_warps

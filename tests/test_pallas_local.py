@@ -109,6 +109,11 @@ def _kernel_dots(jaxpr):
   return found
 
 
+# Interpreter tests of 16-bit fields computed two ways: equal on the CPU; run on a GPU ("gpu or not gpu"), XLA's
+# float32 dots at DEFAULT precision are TF32, so an entry may land one bfloat16 rounding (2**-8 of the largest) away.
+ONE_ROUNDING = 1e-3 if jax.default_backend() == "cpu" else 2.0 ** -8
+
+
 @pytest.mark.parametrize("lowp", [False, True])
 def test_lowp_wu_takes_16_bit_operands_and_the_xla_stages_values(monkeypatch, lowp):
   """`LOWP_WU`: the kernel's two products with T ([Cp, Cp] on the left) read bfloat16 operands with it and float32
@@ -125,9 +130,10 @@ def test_lowp_wu_takes_16_bit_operands_and_the_xla_stages_values(monkeypatch, lo
   assert all(a.dtype == want_dtype and b.dtype == want_dtype for a, b in t_dots), t_dots
   want, got = jitted(intra_chunk.local, **kw)(*args, None), f(*args, None)
   errs = {n: rel_err(getattr(got, n), getattr(want, n)) for n in FIELDS}
-  # With it the stage's roundings: here the same values (1e-3 leaves room for an entry where the two float32
-  # inverses round to neighbouring bfloat16 values); without it U is 4.7e-3 away in this case.
-  assert max(errs.values()) <= (1e-3 if lowp else 2e-2), errs
+  # With it the stage's roundings: here the same values on the CPU (1e-3 leaves room for an entry where the two
+  # float32 inverses round to neighbouring bfloat16 values); without it U is 4.7e-3 away in this case. Run on a
+  # GPU, the interpreter's and XLA's float32 dots are TF32 in different orders: one bfloat16 rounding apart.
+  assert max(errs.values()) <= (ONE_ROUNDING if lowp else 2e-2), errs
 
 
 @pytest.mark.parametrize("dtype, lowp, L, C, K, V", [("float32", False, 4, 8, 5, 19),
@@ -146,9 +152,11 @@ def test_split_kernels_equal_the_one_kernel(monkeypatch, dtype, lowp, L, C, K, V
   monkeypatch.setattr(pallas_local, "LOCAL_SPLIT", True)
   assert "gdn_chunk_local_solve" in str(jax.make_jaxpr(f())(*args, None))
   split = f()(*args, None)
+  # float32 rounding; on a GPU in bfloat16, one rounding (U 1.7e-3 apart there, H100, 2026-12-06)
+  tol = 1e-6 if dtype == "float32" or jax.default_backend() == "cpu" else ONE_ROUNDING
   for n in FIELDS:
     assert getattr(split, n).dtype == getattr(one, n).dtype, n
-    assert rel_err(getattr(split, n), getattr(one, n)) <= 1e-6, (n, rel_err(getattr(split, n), getattr(one, n)))
+    assert rel_err(getattr(split, n), getattr(one, n)) <= tol, (n, rel_err(getattr(split, n), getattr(one, n)))
 
 
 def test_gradients_are_the_xla_references():

@@ -726,7 +726,9 @@ INVERSE_VJP = True
 # updates (one a row of a 16-row block) and merges: True where it takes L (float32, C a power of two >= 16,
 # blocks of 16 with INVERSE_VJP), on any backend (Pallas' interpreter off a GPU); False (today), XLA's. Both
 # differentiated and forward-only calls of the XLA chunk-local stage use it, per-head and per-key-channel decay
-# alike. Read at trace time. Off until the card times it.
+# alike. Read at trace time. Off: in one call on an H100 (`results/benchmarks/h100_2026-12-06/solve_kernel.txt`),
+# Gated DeltaNet's op 0.99-1.04x (forward) and 1.01-1.06x (forward+backward) the time without it at three shapes;
+# KDA's 0.89x / 0.91x at (4, 2048, 16, 128) but 1.14x / 1.04x at (2, 16384, 16, 128).
 SOLVE_KERNEL = False
 
 

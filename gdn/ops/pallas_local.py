@@ -114,10 +114,12 @@ CHANNEL_BLOCK_K = 16
 CHANNEL_NUM_WARPS = 8
 # W = T (Diag(beta) k_dec) and U = T (Diag(beta) v) in the forward kernels with 16-bit inputs: True rounds T and the
 # right-hand sides to the inputs' dtype before the two products (16-bit tensor-core operands, float32 accumulation),
-# the values `intra_chunk.LOWP_SOLVE` gives XLA's stage, which a differentiated call runs; False (today) multiplies
-# the float32 T by float32 right-hand sides (one TF32 pass for bfloat16 callers). float32 inputs are unaffected.
-# Read at the call. Off until the card times it.
-LOWP_WU = False
+# the values `intra_chunk.LOWP_SOLVE` gives XLA's stage, which a differentiated call runs; False multiplies the
+# float32 T by float32 right-hand sides (one TF32 pass for bfloat16 callers). float32 inputs are unaffected. Read at
+# the call. On since 2026-12-06: the op's bfloat16 forward 0.92x and 0.85x at (2, 16384, 16, 128), 0.81x and 0.82x at
+# (1, 8192, 96, 128), 1.00x and 0.98x at (4, 2048, 16, 128), in two calls on an H100
+# (`results/benchmarks/h100_2026-12-06/local_lowp_wu.txt`, `local_lowp_wu_2.txt`).
+LOWP_WU = True
 # The per-head kernel as three kernels, as fla's chunk_scaled_dot_kkt, solve_tril and recompute_w_u: True runs
 # `_pairs_kernel` (q_dec, k_end, P and Diag(beta) A, float32, to memory), `_solve_kernel` (T, in the inputs' 16-bit
 # dtype with LOWP_WU, else float32) and `_apply_kernel` (W, U), each one program per chunk with the warps of
@@ -126,15 +128,17 @@ LOWP_WU = False
 # kernel takes 182 registers a thread at 4 warps and 211 at 8 (two programs an SM, then one), the three 126, 128
 # and 66 at 8 warps (`results/benchmarks/cpu_2026-12-06/local_split_resources.txt`; the solve by 16 x 16 blocks, as
 # fla's solve_tril, where the one kernel's [Cp, Cp] merges took 167). They move Diag(beta) A and T
-# through memory once more (24-32 KiB a chunk). Forward-only calls, as `_kernel`. Read at the call. Off until the
-# card times it.
+# through memory once more (24-32 KiB a chunk). Forward-only calls, as `_kernel`. Read at the call. Off: on an
+# H100 the stage took 0.65 and 1.84 ms at (4, 2048, 16, 128) and (2, 16384, 16, 128) with warps (8, 8, 8) and 0.40
+# and 1.14 ms with (4, 4, 4), against the one kernel's 0.30 and 0.83 (`h100_2026-12-06/local_split.txt`).
 LOCAL_SPLIT = False
 SPLIT_FWD_WARPS = (8, 8, 8)  # warps of `_pairs_kernel`, `_solve_kernel`, `_apply_kernel`
 # A differentiated call with LOCAL_SPLIT (per-head decay; BACKWARD_KERNEL off): True runs the three kernels there too,
 # keeps only the stage's inputs and T (from `_solve_kernel`), and takes `intra_chunk.local_vjp` as the backward
 # (LOCAL_VJP's: it recomputes the decays, k k^T and q k^T as XLA matmuls); False (today) runs XLA's stage and its
-# autodiff there. Read at the call. Off until the card times it: LOCAL_VJP's backward after XLA's forward was 6-13%
-# slower than autodiff on the H200 (docs/benchmarks.md), and the kernels' forward is what could pay for it.
+# autodiff there. Read at the call. Off: on an H100 the op's forward+backward took 1.05x and 1.34x the default's
+# time at the two shapes above (8 warps; 1.04x and 1.26x with 4), and one layer's training step (d_model 2048,
+# 8 x 8192 tokens) 1.13x the time for 0.95x the memory (`h100_2026-12-06/local_split.txt`, `layer_split_vjp.txt`).
 SPLIT_VJP = False
 
 
