@@ -39,7 +39,7 @@ in XLA over the whole of V (fla's split), instead of per-value-block partial sum
 Under a multi-device `jax.jit` each kernel call is a `custom_partitioning` op whose sharding rule keeps the
 sharding of the batch and value-head axes and replicates the rest, so every device runs the same kernel on its
 own rows (XLA cannot split a kernel call itself and would gather the whole batch onto every device). Under
-`jax.vmap` the mapped axis is folded into the batch (`_batched_rows`).
+`jax.vmap` the mapped axis is folded into the batch (`pallas_common.batched_rows`).
 
 For bfloat16 callers the arrays the kernels read and write (U0, W, k_end, S_in, U; q_dec, P, O) are bfloat16 and
 each matmul rounds its state-side operand to bfloat16; the state and every accumulation are float32
@@ -58,17 +58,14 @@ import math
 from typing import Optional
 
 import jax
-import jax.custom_batching
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
-from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as pl_triton
-from jax.sharding import NamedSharding, PartitionSpec
 
 from gdn.ops import checks, intra_chunk, pallas_local
 from gdn.ops.chunk import STATES, WRITES, chunk_outputs, finish, initial, isolate_segments, prepare, unchunk
-from gdn.ops.pallas_common import default_interpret, kernel_precision
+from gdn.ops.pallas_common import batched_rows, default_interpret, kernel_precision, per_rows
 from gdn.ops.pallas_common import pow2 as _pow2
 
 BLOCK_V = 64  # value channels per program: a [128, 64] float32 state is 64 registers a thread at 4 warps
@@ -466,39 +463,7 @@ def _unrows(x, B: int):
   return x.reshape((B, x.shape[0] // B) + x.shape[1:])
 
 
-def _row_shardings(arg_shapes, result_shape):
-  """Every operand and result sharded as the first operand's leading (B, HV) axes, all other axes whole."""
-  first = jax.tree.leaves(arg_shapes)[0].sharding
-  if not isinstance(first, NamedSharding):  # JAX names the axes only where it knows the mesh
-    raise NotImplementedError(f"the Pallas state pass partitions over a named mesh: shard its inputs with "
-                              f"NamedSharding (got {first})")
-  lead = (tuple(first.spec) + (None, None))[:2]
-  rows = lambda a: NamedSharding(first.mesh, PartitionSpec(*lead, *([None] * (len(a.shape) - 2))))
-  return jax.tree.map(rows, arg_shapes), jax.tree.map(rows, result_shape)
-
-
-def _per_rows(fn, rule: str):
-  """`fn(cfg, *arrays)` as a `custom_partitioning` op that runs on each device's block of rows.
-
-  Each row (b, h) of the batch and value heads is an independent recurrence, so a sharding of those two axes
-  is kept and the per-device function is `fn` itself on the local block; the chunk, in-chunk position, key and
-  value axes (factors n, c, k, v of `rule`) must be whole on every device. `rule` is the Shardy form; the two callbacks
-  serve the GSPMD partitioner.
-  """
-  op = custom_partitioning(fn, static_argnums=(0,))
-
-  def partition(cfg, mesh, arg_shapes, result_shape):
-    arg_shardings, result_shardings = _row_shardings(arg_shapes, result_shape)
-    return mesh, functools.partial(fn, cfg), result_shardings, arg_shardings
-
-  def infer_sharding_from_operands(cfg, mesh, arg_shapes, result_shape):
-    return _row_shardings(arg_shapes, result_shape)[1]
-
-  # Shardy wants the special factors in the order the rule first names them.
-  whole = tuple(dict.fromkeys(f for f in rule.replace(",", " ").split() if f not in ("b", "h", "->")))
-  op.def_partition(partition=partition, infer_sharding_from_operands=infer_sharding_from_operands,
-                   sharding_rule=rule, need_replication_factors=whole)
-  return op
+_per_rows = functools.partial(per_rows, lead=2)  # the rows: the leading (B, HV) axes
 
 
 def _rule(ins: str, outs: str) -> str:
@@ -533,31 +498,9 @@ _BACKWARD_STATES = {
 }
 
 
-def _batched_rows(op, cfg: Config, *arrays):
-  """`op(cfg, *arrays)` with a batching rule: `custom_partitioning` has none, so under `jax.vmap` (e.g. sweep
-  cells stacked by `gdn.train.train_stacked`) the mapped axis is folded into the batch axis b, which every
-  operand and result leads with, and unfolded from the results. Unmapped operands are broadcast first."""
-
-  @jax.custom_batching.custom_vmap
-  def call(*xs):
-    return op(cfg, *xs)
-
-  @call.def_vmap
-  def rule(axis_size, in_batched, *xs):
-    def fold(x, mapped):
-      x = x if mapped else jnp.broadcast_to(x, (axis_size,) + x.shape)
-      return x.reshape((axis_size * x.shape[1],) + x.shape[2:])
-
-    out = call(*jax.tree.map(fold, xs, tuple(in_batched)))
-    out = jax.tree.map(lambda y: y.reshape((axis_size, y.shape[0] // axis_size) + y.shape[1:]), out)
-    return out, jax.tree.map(lambda _: True, out)
-
-  return call(*arrays)
-
-
 def _forward(cfg: Config, U0, W, k_end, decay, S0, q_dec=None, P=None, A=None, beta=None):
   """(S_in, U, S_T), U = U0 without the delta rule; with cfg.output (O, S_T)."""
-  res = _batched_rows(_FORWARD[cfg.delta, cfg.output, cfg.channel], cfg, U0, W, k_end, decay, S0, q_dec, P, A,
+  res = batched_rows(_FORWARD[cfg.delta, cfg.output, cfg.channel], cfg, U0, W, k_end, decay, S0, q_dec, P, A,
                       beta)
   if cfg.delta or cfg.output:
     return res
@@ -569,10 +512,10 @@ def _backward(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0=None, A
   """(dU0, dW, dk_end, ddecay, dS0, dA, dbeta): dW None without the delta rule, dA and dbeta None but for
   per-value-channel beta."""
   if cfg.states_bwd and not cfg.channel:
-    dU0, dS, dS0 = _batched_rows(_BACKWARD_STATES[cfg.delta], cfg, W, k_end, decay, dS_in, dU, dS_T)
+    dU0, dS, dS0 = batched_rows(_BACKWARD_STATES[cfg.delta], cfg, W, k_end, decay, dS_in, dU, dS_T)
     dW, dk_end, ddecay = _from_states(cfg, S_in, U, dU0, dS)
     return dU0, dW, dk_end, ddecay, dS0, None, None
-  res = _batched_rows(_BACKWARD[cfg.delta, cfg.channel], cfg, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0, A,
+  res = batched_rows(_BACKWARD[cfg.delta, cfg.channel], cfg, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0, A,
                       beta)
   if cfg.channel:
     dU0, dW, dk_end, ddecay, dA, dS0, dbeta = res

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from gdn.ops.pallas_common import default_interpret, kernel_precision, pow2
+from gdn.ops.pallas_common import batched_rows, default_interpret, kernel_precision, per_rows, pow2
 
 SUB = 16  # the sub-chunk: the blocks' rows and columns (Triton's smallest dot dimension)
 # The kernels' settings, all read at trace time and timed by `experiments/bench_diag.py`; the defaults are the
@@ -231,18 +231,27 @@ def diag_blocks(q, k, g, interpret: bool):
 def _forward(q, k, g, interpret):
   lead, C = k.shape[:-2], k.shape[-2]
   qf, kf, gf = _flat(q, k, g)
-  R, _, Kp = kf.shape
-  bk = _block_k(Kp, BLOCK_K)
-  nk = Kp // bk
-  out = jax.ShapeDtypeStruct((R, nk, SUB, SUB), jnp.float32)  # the partial blocks of each key slice
-  part = pl.BlockSpec((None, None, SUB, SUB), lambda i, j: (i, j, 0, 0))
-  A, P = pl.pallas_call(
-      functools.partial(_fwd_kernel, running=RUNNING_SUMS), grid=(R, nk),
-      in_specs=[_keys_spec(bk)] * 3, out_specs=[part, part], out_shape=[out, out], interpret=interpret,
-      name="gdn_channel_diag_blocks",
-      compiler_params=pl_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=1))(qf, kf, gf)
+  static = (interpret, _block_k(kf.shape[-1], BLOCK_K), RUNNING_SUMS, NUM_WARPS)  # the settings, read now
+  A, P = batched_rows(_FORWARD, static, qf, kf, gf)
   shape = lead + (C // SUB, SUB, SUB)
   return A.sum(1).reshape(shape), P.sum(1).reshape(shape)
+
+
+def _forward_rows(static, qf, kf, gf):
+  """The forward kernel on [R, SUB, Kp] rows: each key slice's partial (A, P) [R, Kp / bk, SUB, SUB]."""
+  interpret, bk, running, num_warps = static
+  R, _, Kp = kf.shape
+  out = jax.ShapeDtypeStruct((R, Kp // bk, SUB, SUB), jnp.float32)
+  part = pl.BlockSpec((None, None, SUB, SUB), lambda i, j: (i, j, 0, 0))
+  return pl.pallas_call(
+      functools.partial(_fwd_kernel, running=running), grid=(R, Kp // bk),
+      in_specs=[_keys_spec(bk)] * 3, out_specs=[part, part], out_shape=[out, out], interpret=interpret,
+      name="gdn_channel_diag_blocks",
+      compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=1))(qf, kf, gf)
+
+
+# Under a multi-device jit each device runs the kernels on its own sub-chunks (`pallas_common.per_rows`).
+_FORWARD = per_rows(_forward_rows)
 
 
 def _diag_fwd(q, k, g, interpret):
@@ -255,23 +264,32 @@ def _diag_bwd(interpret, res, cts):
   lead, (C, K) = k.shape[:-2], k.shape[-2:]
   qf, kf, gf = _flat(q, k, g)
   R, _, Kp = kf.shape
-  bk = _block_k(Kp, BWD_BLOCK_K)
   dA, dP = (x.astype(jnp.float32).reshape(R, SUB, SUB) for x in (dA, dP))
-  out = jax.ShapeDtypeStruct((R, SUB, Kp), jnp.float32)
+  cts = (dA, dP, jnp.swapaxes(dA, 1, 2), jnp.swapaxes(dP, 1, 2)) if BWD_ROW_LOOP else (dA, dP)
   exact = kernel_precision(jax.lax.Precision.HIGHEST, interpret)
-  if BWD_ROW_LOOP:
+  static = (interpret, _block_k(Kp, BWD_BLOCK_K), bool(BWD_ROW_LOOP), RUNNING_SUMS, BWD_NUM_WARPS, exact)
+  dq, dk, dg = batched_rows(_BACKWARD, static, qf, kf, gf, *cts)
+  back = lambda d, x: d[..., :K].reshape(lead + (C, K)).astype(x.dtype)
+  return back(dq, q), back(dk, k), back(dg, g)
+
+
+def _backward_rows(static, qf, kf, gf, *cts):
+  """The backward kernel on [R, SUB, Kp] rows: (dq, dk, dg) [R, SUB, Kp] float32."""
+  interpret, bk, row_loop, running, num_warps, exact = static
+  R, _, Kp = kf.shape
+  if row_loop:
     kernel = functools.partial(_bwd_two_loops_kernel, exact=exact)
-    cts = (dA, dP, jnp.swapaxes(dA, 1, 2), jnp.swapaxes(dP, 1, 2))
   else:
-    kernel = functools.partial(_bwd_kernel, exact=exact, running=RUNNING_SUMS)
-    cts = (dA, dP)
-  dq, dk, dg = pl.pallas_call(
+    kernel = functools.partial(_bwd_kernel, exact=exact, running=running)
+  out = jax.ShapeDtypeStruct((R, SUB, Kp), jnp.float32)
+  return pl.pallas_call(
       kernel, grid=(R, Kp // bk), in_specs=[_keys_spec(bk)] * 3 + [_blocks_spec()] * len(cts),
       out_specs=[_keys_spec(bk)] * 3, out_shape=[out, out, out], interpret=interpret,
       name="gdn_channel_diag_blocks_bwd",
-      compiler_params=pl_triton.CompilerParams(num_warps=BWD_NUM_WARPS, num_stages=1))(qf, kf, gf, *cts)
-  back = lambda d, x: d[..., :K].reshape(lead + (C, K)).astype(x.dtype)
-  return back(dq, q), back(dk, k), back(dg, g)
+      compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=1))(qf, kf, gf, *cts)
+
+
+_BACKWARD = per_rows(_backward_rows)
 
 
 diag_blocks.defvjp(_diag_fwd, _diag_bwd)

@@ -66,7 +66,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from gdn.ops import intra_chunk
-from gdn.ops.pallas_common import default_interpret, kernel_precision, pow2
+from gdn.ops.pallas_common import batched_rows, default_interpret, kernel_precision, per_rows, pow2
 
 SUB = 16  # rows of the diagonal blocks inverted by forward substitution (Triton's smallest dot)
 # Key and value channels per step of the K and V loops, and warps: at K = V = 128, bfloat16, C = 64, Triton 3.9
@@ -344,7 +344,15 @@ def solve(L, prec, dtype, interpret: Optional[bool] = None):
   interpret = default_interpret() if interpret is None else interpret
   cfg = make_config(prec, interpret)
   C = L.shape[-1]
-  return _solve_call(cfg, L.reshape((-1, C, C)), dtype, cfg.split_warps[1]).reshape(L.shape)
+  static = (cfg, jnp.dtype(dtype), cfg.split_warps[1])
+  return batched_rows(_SOLVE, static, L.reshape((-1, C, C))).reshape(L.shape)
+
+
+def _solve_rows(static, bA):
+  return _solve_call(static[0], bA, *static[1:])
+
+
+_SOLVE = per_rows(_solve_rows)  # each device solves its own matrices (pallas_common)
 
 
 def _apply_kernel(t_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, *, cfg: Config):
@@ -599,7 +607,13 @@ def _pad(x, *target):
 def _forward(cfg: Config, q, k, v, g, beta, with_t: bool = False):
   """(q_dec, k_end, P, W, U) [L, C, ...] in k's dtype, from q (scaled), k [L, C, K], v [L, C, V], g [L, C] (per
   head: `_kernel`, or LOCAL_SPLIT's three) or [L, C, K] (per key channel: `_channel_kernel`), beta [L, C]; with
-  `with_t` (LOCAL_SPLIT's kernels only), and T [L, C, C]."""
+  `with_t` (LOCAL_SPLIT's kernels only), and T [L, C, C]. Under a multi-device jit each device runs the kernels on
+  its own chunks (`pallas_common.per_rows`)."""
+  return batched_rows(_FORWARD, (cfg, with_t), q, k, v, g, beta)
+
+
+def _forward_rows(static, q, k, v, g, beta):
+  cfg, with_t = static
   L, C, K = k.shape
   V = v.shape[-1]
   Cp, Kp, Vp = pow2(C), pow2(K), pow2(V)
@@ -626,10 +640,17 @@ def _forward(cfg: Config, q, k, v, g, beta, with_t: bool = False):
   return q_dec[:, :C, :K], k_end[:, :C, :K], P[:, :C, :C], W[:, :C, :K], U[:, :C, :V]
 
 
+_FORWARD = per_rows(_forward_rows)
+
+
 def backward_kernel(cfg: Config, q, k, v, g, beta, cts):
   """(dq, dk, dv, dg, dbeta) in the inputs' dtypes from the backward kernel (the two of `_split_backward` with
   cfg.bwd_split); cts the cotangents of `_forward`'s (q_dec, k_end, P, W, U), in k's dtype. Public for benchmarks
-  and tests, which time and check it against the VJP of `reference`."""
+  and tests, which time and check it against the VJP of `reference`. Per device, as `_forward`."""
+  return batched_rows(_BACKWARD, cfg, q, k, v, g, beta, tuple(cts))
+
+
+def _backward_rows(cfg: Config, q, k, v, g, beta, cts):
   L, C, K = k.shape
   V = v.shape[-1]
   Cp, Kp, Vp = pow2(C), pow2(K), pow2(V)
@@ -653,6 +674,9 @@ def backward_kernel(cfg: Config, q, k, v, g, beta, cts):
       interpret=cfg.interpret, name="gdn_chunk_local_bwd",
       compiler_params=pl_triton.CompilerParams(num_warps=cfg.bwd_num_warps, num_stages=cfg.num_stages))(*ins)
   return dq[:, :C, :K], dk[:, :C, :K], dv[:, :C, :V], dg[:, :C], db[:, :C]
+
+
+_BACKWARD = per_rows(_backward_rows)
 
 
 def _split_backward(cfg: Config, ins, L, Cp, Kp, Vp):
