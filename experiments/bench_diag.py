@@ -67,10 +67,8 @@ gradients (the loss so that the forward runs in it: the kernels' backward does n
 
 def xla_levels(prec):
   """XLA's levels below 16 (the dyadic form on chunks of 16 positions, the kernel off)."""
-  dot = intra_chunk._dot(prec)
-
   def blocks(q, k, g):
-    A, P = intra_chunk._pair_channel_dyadic(q, k, g, dot)
+    A, P = intra_chunk.channel_pairs(q, k, g, prec)
     return A[:, None], P[:, None]  # [R, 1, 16, 16], the kernel's layout
   return blocks
 
@@ -149,7 +147,8 @@ def resources_table(dtype, combos, K=128) -> list:
       apply(running, w, bk, row_loop)
 
       def both(q, k, g, a, p):  # a new function each time: jit caches by function, and the settings are read at trace
-        return jax.vjp(lambda *x: pallas_diag.diag_blocks(*x, False), q, k, g)[1]((a, p))
+        out, vjp = jax.vjp(lambda *x: pallas_diag.diag_blocks(*x, False), q, k, g)
+        return out, vjp((a, p))  # the forward's outputs too: an unused kernel op is dropped
       for kernel in triton_kernels(jax.jit(both), x, x, g, ct, ct):
         rows.append((running, w, bk, row_loop, kernel.name, resources(kernel)))
   return rows

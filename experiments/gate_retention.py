@@ -30,14 +30,14 @@ def main(argv=None):
   ap.add_argument("--pairs", type=int, default=4)
   args = ap.parse_args(argv)
   decays = []
-  original = recurrent.RecurrentMixer._decay
+  original = recurrent.RecurrentMixer.log_decay
 
   def recorded(self, p, B, T):
     g = original(self, p, B, T)
     decays.append(np.asarray(g))
     return g
 
-  recurrent.RecurrentMixer._decay = recorded
+  recurrent.RecurrentMixer.log_decay = recorded
   try:
     for run in args.runs:
       model, step, cfg = load_run(run)
@@ -50,7 +50,7 @@ def main(argv=None):
         print(f"  layer {i}: mean decay per token {_heads(np.exp(g).mean((0, 1)))}, "
               f"kept from token {args.after} to the end {_heads(kept)}")
   finally:
-    recurrent.RecurrentMixer._decay = original
+    recurrent.RecurrentMixer.log_decay = original
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ def test_kda_layer_with_a_bounded_gate():
                            method="chunk")
     layer = RecurrentMixer(cfg, D, rngs=nnx.Rngs(0))
     from gdn.layers.recurrent import X_PROJECTIONS, project
-    g = layer._decay(project(layer, X_PROJECTIONS, x), 2, 40)
+    g = layer.log_decay(project(layer, X_PROJECTIONS, x), 2, 40)
     assert g.shape[-1] == (8 if preset == "kda" else 2) and float(g.min()) > -3.0 and float(g.max()) < 0.0
     assert np.all(np.asarray(layer.A_log[...]) == 0.0)  # A = 1 at init, as fla's safe_gate layer
     scan = RecurrentMixer(dataclasses.replace(cfg, method="recurrent"), D, rngs=nnx.Rngs(0))

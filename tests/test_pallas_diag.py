@@ -120,15 +120,15 @@ def test_bfloat16_inputs_give_bfloat16_cotangents():
 
 
 def test_dyadic_stage_with_the_kernel_equals_xla(monkeypatch):
-  """`_pair_channel_dyadic` with the kernel's diagonal blocks against its own levels: the same A and P."""
+  """`intra_chunk.channel_pairs` (the dyadic form) with the kernel's diagonal blocks against its own levels: the
+  same A and P."""
   q, k, g = _inputs(4, (3,), 64, 16, strong=True)
-  dot = intra_chunk._dot(jax.lax.Precision.HIGHEST)
+  pairs = lambda: lambda *a: intra_chunk.channel_pairs(*a, jax.lax.Precision.HIGHEST)  # traced anew each time
   monkeypatch.setattr(intra_chunk, "CHANNEL_DIAG_KERNEL", False)
-  want = jax.jit(lambda *a: intra_chunk._pair_channel_dyadic(*a, dot))(q, k, g)
+  want = jax.jit(pairs())(q, k, g)
   monkeypatch.setattr(intra_chunk, "CHANNEL_DIAG_KERNEL", True)
-  jaxpr = jax.make_jaxpr(lambda *a: intra_chunk._pair_channel_dyadic(*a, dot))(q, k, g)
-  assert "gdn_channel_diag_blocks" in str(jaxpr)
-  got = jax.jit(lambda *a: intra_chunk._pair_channel_dyadic(*a, dot))(q, k, g)
+  assert "gdn_channel_diag_blocks" in str(jax.make_jaxpr(pairs())(q, k, g))
+  got = jax.jit(pairs())(q, k, g)
   for a, b in zip(got, want):
     assert rel_err(a, b) < 1e-6
 

@@ -203,7 +203,7 @@ class RecurrentMixer(nnx.Module):
     q, k, v, conv_state = features(p["q_proj"], p["k_proj"], p["v_proj"])
 
     with jax.named_scope("gates"):
-      g = self._decay(p, B, T)
+      g = self.log_decay(p, B, T)
       beta = None
       if cfg.beta != "none":
         beta = jax.nn.sigmoid(p["b_proj"].astype(jnp.float32))
@@ -274,7 +274,7 @@ class RecurrentMixer(nnx.Module):
       return self.g_b_proj(p["g_a_proj"])
     return None
 
-  def _decay(self, p, B, T):
+  def log_decay(self, p, B, T):
     """g = -exp(A_log) * softplus(a + dt_bias), or with gate_lower_bound LB g = LB * sigmoid(exp(A_log) * (a +
     dt_bias)) (fla's bounded KDA gate), in float32 from the projections p of x: [B, T, HV], [B, T, HV, K] or
     None."""

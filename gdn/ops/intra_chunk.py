@@ -327,6 +327,13 @@ def dyadic_ok(C: int) -> bool:
   return C >= 2 and C & (C - 1) == 0
 
 
+def channel_pairs(q, k, g, prec):
+  """(A, P) of the exact per-key-channel stage for q (scaled), k, g [.., C, K], C a power of two: the dyadic
+  form below at `prec`, with `pallas_diag`'s kernel for the levels under 16 where CHANNEL_DIAG_KERNEL says so.
+  Public for the benchmarks and tests that time and check those levels."""
+  return _pair_channel_dyadic(q, k, g, _dot(prec))
+
+
 def _pair_channel_dyadic(q, k, g, dot):
   """A (strictly lower: zero on and above the diagonal, which `_local` never reads) and P (lower, diagonal
   included) for one decay per key channel, exact for any g <= 0, as batched matmuls: no [c, c, K] pairwise decays.
