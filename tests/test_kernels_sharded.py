@@ -20,16 +20,14 @@ from gdn.ops import intra_chunk, pallas_chunk, pallas_local
 from devices import run_child
 from test_ops import make_inputs, rel, vjp_inputs
 
-# (name, g kind, switches as (module, attribute, value), kernels the calls must run): every kernel path of the two
-# modules. FUSED_LOCAL puts
-# pallas_local's kernel in the forward; a differentiated call runs it only with BACKWARD_KERNEL or SPLIT_VJP.
+# (name, g kind, switches as (module, attribute, value), kernels the calls must run): every kernel op of the two
+# modules (`pallas_local`'s forward, backward and solve ops, the forward with T; `pallas_diag`'s two). FUSED_LOCAL
+# puts pallas_local's kernel in the forward; a differentiated call runs it only with BACKWARD_KERNEL or SPLIT_VJP.
+# The other kernel settings (BACKWARD_SPLIT, FUSED_LOCAL_CHANNEL) run inside the same ops.
 CASES = [
-    ("fused local kernel", "head", [(pallas_chunk, "FUSED_LOCAL", True)], ["gdn_chunk_local"]),
     ("fused local, backward kernel", "head",
-     [(pallas_chunk, "FUSED_LOCAL", True), (pallas_local, "BACKWARD_KERNEL", True)], ["gdn_chunk_local_bwd"]),
-    ("fused local, backward split", "head",
-     [(pallas_chunk, "FUSED_LOCAL", True), (pallas_local, "BACKWARD_KERNEL", True),
-      (pallas_local, "BACKWARD_SPLIT", True)], ["gdn_chunk_local_bwd_solve", "gdn_chunk_local_bwd_dqk"]),
+     [(pallas_chunk, "FUSED_LOCAL", True), (pallas_local, "BACKWARD_KERNEL", True)],
+     ["gdn_chunk_local", "gdn_chunk_local_bwd"]),
     ("local split with its VJP", "head",
      [(pallas_chunk, "FUSED_LOCAL", True), (pallas_local, "LOCAL_SPLIT", True), (pallas_local, "SPLIT_VJP", True)],
      ["gdn_chunk_local_pairs", "gdn_chunk_local_solve", "gdn_chunk_local_apply"]),
@@ -38,9 +36,6 @@ CASES = [
     ("KDA, diagonal-block kernel", "channel",
      [(pallas_chunk, "FUSED_LOCAL", False), (intra_chunk, "CHANNEL_DIAG_KERNEL", True)],
      ["gdn_channel_diag_blocks", "gdn_channel_diag_blocks_bwd"]),
-    ("KDA, fused channel kernel", "channel",
-     [(pallas_chunk, "FUSED_LOCAL", True), (pallas_local, "FUSED_LOCAL_CHANNEL", True),
-      (intra_chunk, "CHANNEL_DIAG_KERNEL", False)], ["gdn_chunk_local_channel"]),
 ]
 CHUNK = 16  # the solve and the diagonal blocks take chunks of a multiple of 16
 
@@ -114,7 +109,7 @@ def test_batch_sharded_kernels_run_per_device():
     assert not r["kernels_missing"], f"{r['case']}: the calls ran none of {r['kernels_missing']}"
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[5]], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: c[0])
 def test_vmap_folds_the_mapped_axis_into_the_rows(case):
   """Under `jax.vmap` (sweep cells stacked by `gdn.train.train_stacked`) the kernels' `per_rows` ops fold the
   mapped axis into their rows: the vmapped forward and gradients equal each member's own call (the fused kernel
