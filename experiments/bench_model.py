@@ -37,10 +37,12 @@ like with like: about ln(vocab) while the warm-up keeps the rate near zero.
 named stage), from a profiler trace of --steps steps: fla's with torch.profiler in this process, gdn's in a child
 process (this script again with --fla off and the same config, --sweep-model, overrides, switches, batch, tokens
 and steps, told by a hidden --profile-json PATH where to write its profile; `gdn.bench.profile.jax_profile_in_child`).
-The child keeps jax.profiler clear of the CUPTI subscriber torch.profiler holds, and on a GPU it runs with XLA's
-command buffers off (`--xla_gpu_enable_command_buffer=`), without which the trace names CUDA-graph command buffers
-instead of the HLO ops that map kernels to stages. gdn's table says so: its device time per step is of kernels launched
-one by one and need not match the step ms above. A failing child leaves its exit code and stderr's end instead.
+The child runs before this process's own gdn step, whose memory JAX's allocator would otherwise still hold (the
+340M model's two steps do not fit an H100's 80 GB). It keeps jax.profiler clear of the CUPTI subscriber
+torch.profiler holds, and on a GPU it runs with XLA's command buffers off (`--xla_gpu_enable_command_buffer=`),
+without which the trace names CUDA-graph command buffers instead of the HLO ops that map kernels to stages. gdn's
+table says so: its device time per step is of kernels launched one by one and need not match the step ms above.
+A failing child leaves its exit code and stderr's end instead.
 """
 
 from __future__ import annotations
@@ -358,14 +360,17 @@ def measure(a) -> list:
       if a.fla == "on":
         raise
       run, why = False, f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+  # the profiling child runs before this process's own gdn step: JAX's allocator keeps what a step used, and
+  # this process's step beside the child's would need twice the model's memory (the 340M model on an H100)
+  child = gdn_profile_in_child(a) if a.profile and not a.profile_json else None
   row(f"gdn {flop['params'] / 1e6:,.1f}M", run_gdn(cfg, toks, a))
   if not run:
     print(f"fla: skipped, {why}")
   if a.profile_json:
     from gdn.bench.profile import write_profiles
     write_profiles(a.profile_json, [r["profile"] for r in out if "profile" in r])
-  elif a.profile:
-    out[-1]["profile"] = gdn_profile_in_child(a)
+  elif child is not None:
+    out[-1]["profile"] = child
   if a.profile:
     from gdn.bench.profile import format_times
     for r in out:

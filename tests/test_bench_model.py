@@ -130,3 +130,16 @@ def test_profiling_child_traces_the_timed_model():
   assert bench_model.experiment_config(child).model.recurrent.decay == "channel"
   same = ("config", "sweep_model", "override", "switch", "batch", "seq_len", "token_file", "warmup", "steps", "profile")
   assert {k: getattr(child, k) for k in same} == {k: getattr(a, k) for k in same} and child.fla == "off"
+
+
+def test_profiling_child_runs_before_this_process_steps(monkeypatch, capsys):
+  """The profiling child runs before this process's own gdn step: JAX's allocator keeps what that step used, and
+  the child's step beside it ran the 340M model out of an H100's memory."""
+  order = []
+  monkeypatch.setattr(bench_model, "gdn_profile_in_child",
+                      lambda a: order.append("child") or {"error": "not profiled in this test"})
+  monkeypatch.setattr(bench_model, "run_gdn", lambda cfg, toks, a: order.append("gdn") or dict(
+      compile_s=1.0, step_ms=1.0, xla_bytes=0, peak_bytes=None, loss=1.0))
+  rows = bench_model.main(TINY + ["--profile", "3"])
+  assert order == ["child", "gdn"]
+  assert rows[-1]["profile"] == {"error": "not profiled in this test"}
