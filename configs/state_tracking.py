@@ -11,7 +11,9 @@ per example, evaluate at 40-256; parity, modular arithmetic mod 5 without bracke
 "=") and with brackets; 2 layers for parity, 3 for modular arithmetic; d_model 128, 4 heads (head dim 32),
 short convolution of width 4; AdamW, weight decay 0.1, batch 1024, 100,000 steps, 10% linear warmup then
 cosine; gradient clipping 1.0 for modular arithmetic, none for parity; rates 1e-2, 1e-3, 5e-4, 1e-4 with 3
-seeds each; scaled accuracy (acc - chance) / (1 - chance).
+seeds each; scaled accuracy (acc - chance) / (1 - chance). From their code: bfloat16 compute with float32
+weights (every run file has enable_mixed_precision: true, and their main.py autocasts to bfloat16 on a GPU
+that has it, training and evaluation alike): model.dtype bfloat16 here, float32 master weights as always.
 
 Not copied: the cosine ends at 1e-3 x the peak rate (theirs at 1e-6 whatever the rate: the same at 1e-3);
 Adam's b2 0.999 is PyTorch's default, which their code uses; the test set is 512 examples at each of 10
@@ -57,6 +59,7 @@ def get_config(size="full"):
   c.data.state.eval_lengths = EVAL_LENGTHS
   c.data.state.eval_examples = 512
   base.apply(c, base.width(128, num_heads=4) + base.mixer("deltanet", allow_neg_eigval=True))
+  c.model.dtype = "bfloat16"  # their torch.autocast(bfloat16) over float32 weights
   base.schedule(c, 100_000, 10_000, every=5000)
   c.train.checkpoint_every = 1000  # the GPU grid runs in pieces cut by `timeout`: each resumes from here
   c.train.min_lr_ratio = 1e-3
@@ -72,6 +75,7 @@ def get_config(size="full"):
     c.data.state.eval_lengths = (40, 64, 128, 256)
     c.data.state.eval_examples = 128
     base.apply(c, base.width(64, num_heads=2))
+    c.model.dtype = "float32"  # as its committed runs of 2026-12-01 (results/state_tracking_small) trained
     base.schedule(base.cpu(c), 600, 60, every=200)
     c.sweep.settings = {"parity": settings()["parity"]}
     c.sweep.learning_rates = (1e-3, 3e-3)
