@@ -75,9 +75,9 @@ def trained_runs(args, decays):
 def at_init(args, decays):
   from flax import nnx
 
-  from gdn.data import make_task
   from gdn.model import LanguageModel
   from gdn.train import ConfigError
+  from gdn.train.loop import load_task
   from gdn.train.config_file import load, resolve
 
   distances = [int(d) for d in args.distances.split(",")]
@@ -90,7 +90,7 @@ def at_init(args, decays):
     model_overrides = list(models[args.sweep_model])
   for seed in [int(s) for s in args.seeds.split(",")]:
     cfg = resolve(args.config, [*model_overrides, *args.override, f"seed={seed}"])
-    task = make_task(cfg.data, seed, 1)
+    task = load_task(cfg, log=lambda *a: None)  # a missing data file: a ConfigError naming its key
     names = [s.name for s in task.evals]
     if args.split and args.split not in names:
       raise SystemExit(f"--split {args.split!r} is not an eval split of the task; choose from {', '.join(names)}")
@@ -128,9 +128,13 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if bool(args.runs) == bool(args.config):
     ap.error("give either trained runs or --config")
+  from gdn.train import ConfigError
+
   decays, restore = _record_decays()
   try:
     (at_init if args.config else trained_runs)(args, decays)
+  except ConfigError as e:  # a bad config, sweep model or data file: its message, not a traceback
+    raise SystemExit(f"gate_retention: {e}") from None
   finally:
     restore()
 

@@ -40,8 +40,12 @@ def test_at_initialisation_prints_every_layer_and_no_gate_for_deltanet(capsys):
   assert len(kept) == 2 and all(0 <= x <= 1 for x in kept)
   gate_retention.main(["--config", "configs/niah.py:small", "--sweep-model", "deltanet", "--examples", "2", *TINY])
   assert "no decay gate" in capsys.readouterr().out
-  with pytest.raises(SystemExit):
+  with pytest.raises(SystemExit, match="'nope' is not an eval split"):
     gate_retention.main(["--config", "configs/niah.py:small", "--split", "nope", *TINY])
+  with pytest.raises(SystemExit, match="'nope' is not a model of"):
+    gate_retention.main(["--config", "configs/niah.py:small", "--sweep-model", "nope"])
+  with pytest.raises(SystemExit, match="train_file"):  # a text task without its corpus: the key, no traceback
+    gate_retention.main(["--config", "configs/lm_ablations.py", "--override", "data.text.train_file=/nonexistent"])
 
 
 def test_its_initialisation_is_the_training_runs():
