@@ -102,17 +102,10 @@ def parse_args(argv=None):
 def experiment_config(a, *extra):
   if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-  from gdn.train.config import ConfigError
-  from gdn.train.config_file import load, resolve
+  from gdn.train.config_file import resolve, sweep_model_overrides
 
   spec = a.config if os.path.isabs(a.config.partition(":")[0]) else os.path.join(ROOT, a.config)
-  model = []
-  if a.sweep_model:
-    models = dict(load(spec).get("sweep", {}).get("models", {}) or {})
-    if a.sweep_model not in models:
-      raise ConfigError(f"--sweep-model {a.sweep_model!r} is not a model of {a.config}'s sweep.models; choose from "
-                        f"{', '.join(sorted(models)) or 'none (the config has no sweep models)'}")
-    model = list(models[a.sweep_model])
+  model = sweep_model_overrides(spec, a.sweep_model, a.config)
   return resolve(spec, [*model, f"data.text.seq_len={a.seq_len}", *a.override, *extra])
 
 

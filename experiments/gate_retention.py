@@ -76,18 +76,11 @@ def at_init(args, decays):
   from flax import nnx
 
   from gdn.model import LanguageModel
-  from gdn.train import ConfigError
+  from gdn.train.config_file import resolve, sweep_model_overrides
   from gdn.train.loop import load_task
-  from gdn.train.config_file import load, resolve
 
   distances = [int(d) for d in args.distances.split(",")]
-  model_overrides = []
-  if args.sweep_model:
-    models = dict(load(args.config).get("sweep", {}).get("models", {}) or {})
-    if args.sweep_model not in models:
-      raise ConfigError(f"--sweep-model {args.sweep_model!r} is not a model of {args.config}'s sweep.models; "
-                        f"choose from {', '.join(sorted(models)) or 'none'}")
-    model_overrides = list(models[args.sweep_model])
+  model_overrides = sweep_model_overrides(args.config, args.sweep_model)
   for seed in [int(s) for s in args.seeds.split(",")]:
     cfg = resolve(args.config, [*model_overrides, *args.override, f"seed={seed}"])
     task = load_task(cfg, log=lambda *a: None)  # a missing data file: a ConfigError naming its key
@@ -107,8 +100,8 @@ def at_init(args, decays):
           f"answer at position {ends.min()}-{ends.max()}")
     if not decays:
       print("  no decay gate: every head keeps all of the state")
+    ds = [d for d in distances if d <= ends.min() + 1]  # windows that fit before every answer
     for i, g in enumerate(decays):
-      ds = [d for d in distances if d <= ends.min() + 1]
       kept = "; ".join(f"over {d}: {_heads(kept_before(g, ends, d))}" for d in ds)
       print(f"  layer {i}: mean decay per token {_heads(np.exp(per_head(g)).mean((0, 1)))}; kept {kept}")
 

@@ -127,6 +127,18 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides) -> ml_collecti
   return config
 
 
+def sweep_model_overrides(spec: str, name, label: str = "") -> list:
+  """The overrides of model `name` of the config file's sweep.models ([] for no name), for scripts that build one
+  model of a sweep (`--sweep-model`); an unknown name is a ConfigError listing the config's models."""
+  if not name:
+    return []
+  models = dict(load(spec).get("sweep", {}).get("models", {}) or {})
+  if name not in models:
+    raise ConfigError(f"--sweep-model {name!r} is not a model of {label or spec}'s sweep.models; choose from "
+                      f"{', '.join(sorted(models)) or 'none (the config has no sweep models)'}")
+  return list(models[name])
+
+
 def resolve(spec: str, overrides=()) -> ExperimentConfig:
   """Config file + overrides -> the typed ExperimentConfig that library code receives."""
   config = apply_overrides(load(spec), overrides)
