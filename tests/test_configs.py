@@ -152,6 +152,20 @@ def test_sweep_models_do_not_inherit_the_base_models_switches():
   assert by_model["hybrid_3to1"].pattern == "RRRA" and by_model["hybrid_3to1"].num_layers == 4
 
 
+def test_niah_full_adds_the_sliding_window_hybrid():
+  """The full S-NIAH grid has the 3:1 hybrid twice: global attention (RRRA) and the paper's kind, a window of half
+  the training length (RRRW); the small CPU config keeps its five models."""
+  by_model = {c.model: c.config.model for c in expand(load(os.path.join(ROOT, "configs", "niah.py")),
+                                                      results="/nonexistent")}
+  assert set(by_model) == {"attention", "deltanet", "mamba2", "gated_deltanet", "hybrid_3to1", "hybrid_3to1_swa"}
+  assert by_model["hybrid_3to1"].pattern == "RRRA" and by_model["hybrid_3to1"].attention.window == 0
+  swa = by_model["hybrid_3to1_swa"]
+  assert swa.pattern == "RRRW" and swa.attention.window == 512 and swa.num_layers == 4
+  assert swa.recurrent == by_model["hybrid_3to1"].recurrent
+  small = {c.model for c in expand(load(os.path.join(ROOT, "configs", "niah.py") + ":small"), results="/nonexistent")}
+  assert small == {"attention", "deltanet", "mamba2", "gated_deltanet", "hybrid_3to1"}
+
+
 def test_shards_keep_seed_and_learning_rate_siblings_together():
   """--shard deals out (model, setting) groups, so the cells that share compiled programs run in one process;
   the shards together hold every cell exactly once."""
