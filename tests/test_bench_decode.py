@@ -8,6 +8,8 @@ import pytest
 from experiments.bench_decode import main
 from gdn.bench.timing import ops_per_iteration
 
+pytestmark = pytest.mark.usefixtures("fast_compile")  # the tables' shape and the counts' order, not XLA's fusions
+
 TINY = ["--d-model", "32", "--layers", "4", "--heads", "2", "--head-dim", "8", "--vocab", "32", "--steps", "2",
         "--reps", "1", "--contexts", "8,16"]
 

@@ -2,7 +2,11 @@
 
 import os
 
+import pytest
+
 from experiments.bench_layers import main
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def test_bench_layers_table(capsys):

@@ -5,6 +5,8 @@ import pytest
 from experiments import bench_ops
 from gdn.bench import op_inputs, roofline
 
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 def test_roofline_of_the_largest_h200_shape():
   # (4, 4096, 64, 128): about 1.9e11 FLOP and 1.07 GB of q, k, v, o in bf16 forward, a floor of about 0.25 ms on

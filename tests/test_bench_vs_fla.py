@@ -15,6 +15,8 @@ from experiments import bench_vs_fla
 from gdn.bench import op_inputs
 from reference import gated_delta_rule_ref
 
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 def table(out: str) -> list:
   """The markdown table's rows as dicts keyed by the header's cells."""

@@ -17,6 +17,8 @@ from gdn.train.config_file import resolve
 from gdn.train.metrics import read_jsonl
 from test_train import assert_same_loss
 
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 def _mqar_batch(T=32, P=4, B=3, vocab=64):
   cfg = mqar.MQARConfig(vocab_size=vocab, train_settings=((T, P),), eval_settings=((T, P),))
