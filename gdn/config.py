@@ -19,6 +19,7 @@ DECAYS = ("none", "head", "channel")
 BETAS = ("none", "head", "channel")
 OUTPUT_GATES = ("none", "silu", "sigmoid")
 QK_NORMS = ("none", "l2")
+WRITE_SCALES = ("none", "dt")
 LAYER_KINDS = {"R": "recurrent", "M": "mamba2", "A": "attention", "W": "sliding_window"}
 MLP_KINDS = {"D": "dense", "M": "moe"}
 REMATS = ("none", "dots", "dots_states", "full")
@@ -50,6 +51,10 @@ class RecurrentConfig:
   decay: str = "head"
   beta: str = "head"
   allow_neg_eigval: bool = False
+  # "dt": each token's write scaled by its step size dt = softplus(W_a x + dt_bias) (per head; v becomes dt * v),
+  # the one that also sets the decay g = -exp(A_log) dt: Mamba2's discretisation h_t = exp(dt A) h_{t-1} + dt B x,
+  # with which a token of small dt is neither written nor lets the state decay. Needs decay "head".
+  write_scale: str = "none"
   short_conv: bool = True
   conv_size: int = 4
   conv_bias: bool = False  # a per-channel bias in the short conv (fla's conv_bias=True); needs short_conv
@@ -95,6 +100,10 @@ class RecurrentConfig:
     _choice("beta", self.beta, BETAS)
     _choice("output_gate", self.output_gate, OUTPUT_GATES)
     _choice("qk_norm", self.qk_norm, QK_NORMS)
+    _choice("write_scale", self.write_scale, WRITE_SCALES)
+    if self.write_scale == "dt" and self.decay != "head":
+      raise ValueError(f"write_scale='dt' scales each write by the per-head decay's step size, so it needs "
+                       f"decay='head', got decay={self.decay!r}")
     _choice("dt_init", self.dt_init, ("fla", "seed"))
     _choice("method", self.method, checks.METHODS)
     _choice("remat", self.remat, MIXER_REMATS)
@@ -291,6 +300,7 @@ class ModelConfig:
 PRESETS = {
     "linear_attention": dict(decay="none", beta="none", output_gate="none", output_norm=True),
     "gla_mamba2": dict(decay="head", beta="none"),
+    "mamba2": dict(decay="head", beta="none", write_scale="dt"),
     "deltanet": dict(decay="none", beta="head"),
     "gated_deltanet": dict(decay="head", beta="head"),
     "kda": dict(decay="channel", beta="head", output_gate="sigmoid"),

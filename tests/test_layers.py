@@ -296,3 +296,47 @@ def test_cudnn_attention_matches_xla_in_bfloat16(window):
   rel = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max() / jnp.abs(
       b.astype(jnp.float32)).max())
   assert rel(ya, yx) < 2e-2 and rel(ga, gx) < 5e-2
+
+
+def test_mamba2_write_scale_is_mamba2s_discretisation():
+  """write_scale="dt" (the mamba2 preset): the final state is Mamba2's h_t = exp(-A dt_t) h_{t-1} + dt_t k_t v_t^T
+  in float64 from the layer's own q, k, v and dt, differs from the unscaled writes of gla_mamba2, and decoding
+  token by token from a prefilled cache gives the whole sequence's outputs."""
+  cfg = recurrent_preset("mamba2", **SMALL)
+  layer = RecurrentMixer(cfg, D, rngs=nnx.Rngs(3))
+  x = _x(seed=4)
+  B, T, _ = x.shape
+  from gdn.layers.fused import project
+  from gdn.layers.recurrent import X_PROJECTIONS
+
+  p = project(layer, X_PROJECTIONS, x)
+  _, k, v, _ = layer._features(p["q_proj"], p["k_proj"], p["v_proj"], B=B, T=T, segment_ids=None, cache=None,
+                               context_axis=None)
+  dt = np.asarray(layer.step_size(p), np.float64)
+  A = np.exp(np.asarray(layer.A_log[...], np.float64))
+  k, v = np.asarray(k, np.float64), np.asarray(v, np.float64)
+  h = np.zeros((B, cfg.num_heads, cfg.head_dim, cfg.head_dim))
+  plain = h.copy()
+  for t in range(T):
+    decay = np.exp(-A * dt[:, t])[..., None, None]
+    write = np.einsum("bhk,bhv->bhkv", k[:, t], v[:, t])
+    h = decay * h + dt[:, t, :, None, None] * write
+    plain = decay * plain + write
+  _, _, S = layer._mix(p, B=B, T=T, segment_ids=None, cache=None, context_axis=None)
+  np.testing.assert_allclose(np.asarray(S, np.float64), h, rtol=1e-4, atol=1e-6)
+  assert np.linalg.norm(h - plain) > 0.5 * np.linalg.norm(h)  # dt (log-uniform in [1e-3, 0.1]) is far from 1
+
+  whole = layer(x)[0]
+  y, cache = layer(x[:, :13], cache=layer.init_cache(B))
+  steps = [y]
+  for t in range(13, T):
+    y, cache = layer(x[:, t:t + 1], cache=cache)
+    steps.append(y)
+  np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(whole), rtol=1e-4, atol=1e-5)
+
+
+def test_write_scale_needs_a_per_head_decay():
+  with pytest.raises(ValueError, match="write_scale='dt'.*decay='head'.*'channel'"):
+    RecurrentConfig(decay="channel", beta="none", write_scale="dt")
+  with pytest.raises(ValueError, match="write_scale"):
+    RecurrentConfig(write_scale="input")

@@ -59,6 +59,7 @@ class RecurrentMixer(nnx.Module):
     q, k    = l2norm(q) / sqrt(K), l2norm(k)       (qk_norm "l2")
     g       = -exp(A_log) * softplus(W_a x + dt_bias)     per head [B,T,HV], or per key channel [B,T,HV,K]
                                                           through a rank-R projection (KDA)
+    v       = softplus(W_a x + dt_bias) * v               with write_scale "dt" (Mamba2's discretised input)
     beta    = sigmoid(W_b x) (x2 with allow_neg_eigval)    per head [B,T,HV] or per value channel [B,T,HV,V]
     o       = gated_delta_rule(q, k, v, g, beta)
     y       = W_o dropout(RMSNorm(o) * act(W_g x))    W_g x is W_g2 (W_g1 x) + b_g with output_gate_rank
@@ -173,7 +174,7 @@ class RecurrentMixer(nnx.Module):
     offsets = self.in_proj.offsets()
     if (tuple(offsets) != ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj") or self.conv is None
         or cache.conv is None or cfg.decay != "head" or cfg.beta != "head" or cfg.qk_norm != "l2"
-        or cfg.gate_lower_bound is not None  # the kernel computes the softplus gate
+        or cfg.gate_lower_bound is not None or cfg.write_scale != "none"  # the kernel computes the softplus gate
         or not isinstance(self.o_norm, GatedRMSNorm) or self.o_norm.activation != "silu"
         or jnp.dtype(self.dtype).itemsize > 4):
       return None
@@ -210,6 +211,8 @@ class RecurrentMixer(nnx.Module):
         if cfg.allow_neg_eigval:
           beta = 2.0 * beta
         beta = beta.reshape((B, T, HV) if cfg.beta == "head" else (B, T, HV, V))
+      if cfg.write_scale == "dt":
+        v = (v.astype(jnp.float32) * self.step_size(p)[..., None]).astype(v.dtype)
 
     S0 = None if cache is None else cache.S
     if cache is not None and T == 1:
@@ -273,6 +276,10 @@ class RecurrentMixer(nnx.Module):
     if "g_a_proj" in p:
       return self.g_b_proj(p["g_a_proj"])
     return None
+
+  def step_size(self, p):
+    """dt = softplus(a + dt_bias) per head [B, T, HV] in float32 (decay "head"): the step of g = -exp(A_log) dt."""
+    return jax.nn.softplus(p["a_proj"].astype(jnp.float32) + self.dt_bias[...])
 
   def log_decay(self, p, B, T):
     """g = -exp(A_log) * softplus(a + dt_bias), or with gate_lower_bound LB g = LB * sigmoid(exp(A_log) * (a +
