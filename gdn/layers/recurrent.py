@@ -174,7 +174,8 @@ class RecurrentMixer(nnx.Module):
     offsets = self.in_proj.offsets()
     if (tuple(offsets) != ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj") or self.conv is None
         or cache.conv is None or cfg.decay != "head" or cfg.beta != "head" or cfg.qk_norm != "l2"
-        or cfg.gate_lower_bound is not None or cfg.write_scale != "none"  # the kernel computes the softplus gate
+        or cfg.gate_lower_bound is not None  # the kernel computes the softplus gate
+        or cfg.write_scale != "none"  # and writes v unscaled
         or not isinstance(self.o_norm, GatedRMSNorm) or self.o_norm.activation != "silu"
         or jnp.dtype(self.dtype).itemsize > 4):
       return None
