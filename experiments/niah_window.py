@@ -13,8 +13,8 @@ import argparse
 import numpy as np
 
 from gdn.data import niah
-from gdn.data.pipeline import eval_batches
 from gdn.train.config_file import resolve
+from gdn.train.evaluate import EvalSets
 from gdn.train.loop import load_task
 
 
@@ -38,12 +38,13 @@ def main(argv=None) -> list:
   if cfg.data.task != "niah":
     p.error(f"--config must be an S-NIAH config (data.task 'niah'), got data.task {cfg.data.task!r}")
   task = load_task(cfg, log=lambda *_: None)
+  sets = EvalSets(task, cfg.data.eval_batch, cfg.seed)  # the batches a run of this seed evaluates
   print(f"# {a.config}, seed {a.seed}: examples whose needle is within {a.window} tokens of the query")
   print("| split | examples | within the window |")
   print("|---|---:|---:|")
   rows = []
   for split in task.evals:
-    batches = eval_batches(split, cfg.data.eval_batch, cfg.seed)
+    batches = sets.batches(split)
     inputs = np.concatenate([b["inputs"] for b in batches])
     real = np.concatenate([b["weights"] for b in batches]).sum(1) > 0  # not the padding rows of a last batch
     fraction = float(within(inputs[real], a.window).mean())
