@@ -300,7 +300,9 @@ class ModelConfig:
 PRESETS = {
     "linear_attention": dict(decay="none", beta="none", output_gate="none", output_norm=True),
     "gla_mamba2": dict(decay="head", beta="none"),
-    "mamba2": dict(decay="head", beta="none", write_scale="dt"),
+    # dt (about 1e-3 to 0.1 at init) scales each write, so the op's output starts near 1e-10 in mean square: under
+    # the default eps of the output norm, which would then pass eps, not the signal (docs/models.md, "Write scale").
+    "mamba2": dict(decay="head", beta="none", write_scale="dt", norm_eps=1e-12),
     "deltanet": dict(decay="none", beta="head"),
     "gated_deltanet": dict(decay="head", beta="head"),
     "kda": dict(decay="channel", beta="head", output_gate="sigmoid"),

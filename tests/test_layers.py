@@ -335,6 +335,24 @@ def test_mamba2_write_scale_is_mamba2s_discretisation():
   np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(whole), rtol=1e-4, atol=1e-5)
 
 
+def test_mamba2_output_norm_sees_the_signal_not_eps(monkeypatch):
+  """The write scale puts the mamba2 op's output at initialisation (dt is 1e-3 to 0.1) more than 10x under
+  gla_mamba2's in mean square, and under 1e-6; the preset's output-norm eps (1e-12) must sit well under it, or the
+  norm would pass eps instead (at the default 1e-6 the small S-NIAH runs learned about half as much:
+  docs/experiments.md, section 5)."""
+  from gdn.layers import norms
+  seen = []
+  call = norms.GatedRMSNorm.__call__
+  monkeypatch.setattr(norms.GatedRMSNorm, "__call__",
+                      lambda self, x, gate: seen.append((float(jnp.mean(jnp.square(x))), self.eps)) or call(self, x, gate))
+  for seed in range(3):
+    for name in ("mamba2", "gla_mamba2"):
+      RecurrentMixer(recurrent_preset(name, **SMALL), D, rngs=nnx.Rngs(seed))(_x(seed=seed))
+  assert len(seen) == 6
+  for (signal, eps), (unscaled, _) in zip(seen[::2], seen[1::2]):
+    assert signal < unscaled / 10 and signal < 1e-6 and signal > 10 * eps, (signal, unscaled, eps)
+
+
 def test_write_scale_needs_a_per_head_decay():
   with pytest.raises(ValueError, match="write_scale='dt'.*decay='head'.*'channel'"):
     RecurrentConfig(decay="channel", beta="none", write_scale="dt")
