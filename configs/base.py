@@ -59,18 +59,24 @@ def _text(v) -> str:
   return str(v).lower() if isinstance(v, bool) else str(v)
 
 
+TUNABLE = frozenset({"norm_eps"})
+
+
 def mixer(name: str, pattern: str = "R", **overrides) -> tuple:
   """Overrides selecting a mixer: "attention", or a recurrent preset of gdn.config.PRESETS in `pattern`.
 
   Every switch that some preset sets (and allow_neg_eigval) is spelled out, at its RecurrentConfig default
   unless the preset or `overrides` change it, so the result does not depend on the config it is applied to.
+  A hyperparameter that a preset sets (TUNABLE: the output norm's eps of `mamba2`) is spelled out only for that
+  preset, so that `--config.model.recurrent.norm_eps` still reaches the others (for every cell:
+  `config.sweep.overrides`).
   """
   if name == "attention":
     return ("model.pattern=A",)
   if name not in PRESETS:
     raise ConfigError(f"unknown mixer {name!r}; choose from attention, {', '.join(sorted(PRESETS))}")
   defaults = dataclasses.asdict(RecurrentConfig())
-  switches = sorted({k for p in PRESETS.values() for k in p} | {"allow_neg_eigval"})
+  switches = sorted(({k for p in PRESETS.values() for k in p} - TUNABLE) | {"allow_neg_eigval"})
   fields = {**{k: defaults[k] for k in switches}, **PRESETS[name], **overrides}
   return (f"model.pattern={pattern}",) + tuple(f"model.recurrent.{k}={_text(v)}" for k, v in fields.items())
 

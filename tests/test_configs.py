@@ -166,6 +166,22 @@ def test_niah_full_adds_the_sliding_window_hybrid():
   assert small == {"attention", "deltanet", "mamba2", "gated_deltanet", "hybrid_3to1"}
 
 
+def test_a_presets_hyperparameter_and_the_sweeps_own_overrides():
+  """The mamba2 preset's output-norm eps (1e-12) reaches its cells; a base-config eps reaches the other models'
+  cells (the presets that do not set it leave it to the config) but not mamba2's; config.sweep.overrides, applied
+  after each model's, reaches every cell."""
+  spec = os.path.join(ROOT, "configs", "niah.py") + ":small"
+  eps = lambda config: {c.model: c.config.model.recurrent.norm_eps for c in expand(config, results="/nonexistent")}
+  assert eps(load(spec)) == {"attention": 1e-6, "deltanet": 1e-6, "mamba2": 1e-12, "gated_deltanet": 1e-6,
+                             "hybrid_3to1": 1e-6}
+  on_base = eps(apply_overrides(load(spec), ["model.recurrent.norm_eps=1e-9"]))
+  assert on_base.pop("mamba2") == 1e-12 and set(on_base.values()) == {1e-9}
+  everywhere = eps(apply_overrides(load(spec), ["sweep.overrides=('model.recurrent.norm_eps=1e-6',)"]))
+  assert set(everywhere.values()) == {1e-6}
+  with pytest.raises(ConfigError, match="overrides"):
+    from_dict(apply_overrides(load(spec), ["sweep.overrides=('model.recurrent.norm_eps',)"]).to_dict())
+
+
 def test_shards_keep_seed_and_learning_rate_siblings_together():
   """--shard deals out (model, setting) groups, so the cells that share compiled programs run in one process;
   the shards together hold every cell exactly once."""

@@ -1,5 +1,5 @@
-"""The cells of a sweep and running them. A cell is the base config plus a model's and a setting's
-"key=value" overrides, a seed and a learning rate; its run directory is results/<name>/runs/<cell id>."""
+"""The cells of a sweep and running them. A cell is the base config plus a model's, a setting's and the sweep's
+own "key=value" overrides (in that order), a seed and a learning rate; its run directory is results/<name>/runs/<cell id>."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def expand(config: ml_collections.ConfigDict, results: str = "") -> list:
   cells = []
   for model, model_overrides in models.items():
     for setting, setting_overrides in settings.items():
-      overrides = tuple(model_overrides) + tuple(setting_overrides)
+      overrides = tuple(model_overrides) + tuple(setting_overrides) + tuple(sweep.overrides)
       cell = functools.partial(make, model, setting, overrides)  # (seed, lr) -> Cell
       rates = tuning_rates(lrs, [int(s) for s in tuning], cell, sweep) if tuning else list(lrs)
       every_rate = {int(s): [cell(s, lr) for lr in rates]

@@ -123,6 +123,10 @@ class SweepConfig:
   """models x settings x seeds x learning rates. A model or setting is a tuple of "key=value" overrides."""
   models: dict = dataclasses.field(default_factory=dict)
   settings: dict = dataclasses.field(default_factory=dict)  # empty = one setting, the base config
+  # "key=value" strings applied to every cell after its model's and setting's: a change to the whole grid that a
+  # model's own overrides would undo if it were made on the base config (e.g. ("model.recurrent.norm_eps=1e-6",)
+  # where a model's preset sets that key). Cells of other values belong under another config.name.
+  overrides: tuple = ()
   seeds: tuple = (0,)
   learning_rates: tuple = ()  # empty = the base learning rate; else the best per cell is kept
   # The seeds that tune the rate: empty = every seed runs every rate and each keeps its best; else these seeds
@@ -147,6 +151,8 @@ class SweepConfig:
       for name, overrides in getattr(self, group).items():
         if isinstance(overrides, str) or any("=" not in o for o in overrides):
           raise ValueError(f"{group}.{name} must be a tuple of 'key=value' strings, got {overrides!r}")
+    if isinstance(self.overrides, str) or any(not isinstance(o, str) or "=" not in o for o in self.overrides):
+      raise ValueError(f"overrides must be a tuple of 'key=value' strings, got {self.overrides!r}")
     if not self.seeds:
       raise ValueError("seeds must not be empty")
     if isinstance(self.tune_seeds, (str, int)) or any(not isinstance(s, int) for s in self.tune_seeds):
