@@ -1,5 +1,6 @@
 """The cells of a sweep and running them. A cell is the base config plus a model's, a setting's and the sweep's
-own "key=value" overrides (in that order), a seed and a learning rate; its run directory is results/<name>/runs/<cell id>."""
+own "key=value" overrides (in that order), a seed and a learning rate; its run directory is
+results/<name>/runs/<cell id>."""
 
 from __future__ import annotations
 
