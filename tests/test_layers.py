@@ -336,25 +336,28 @@ def test_mamba2_write_scale_is_mamba2s_discretisation():
 
 
 def test_mamba2_output_norm_sees_the_signal_not_eps(monkeypatch):
-  """The write scale puts the mamba2 op's output at initialisation (dt is 1e-3 to 0.1) more than 10x under
-  gla_mamba2's in mean square, and under 1e-6; the preset's output-norm eps (1e-12) must sit well under it, or the
-  norm would pass eps instead (at the default 1e-6 the small S-NIAH runs learned about half as much:
-  docs/experiments.md, section 5)."""
+  """At initialisation every recurrent preset's op output is under the default output-norm eps (1e-6) in mean
+  square, and the write scale puts mamba2's (dt is 1e-3 to 0.1) more than 10x under gla_mamba2's; the mamba2
+  preset's eps (1e-12) must sit well under it, or the norm would pass eps instead (at the default 1e-6 the small
+  S-NIAH runs learned about half as much: docs/experiments.md, section 5)."""
   from gdn.layers import norms
-  seen = []
+  seen = {}
   call = norms.GatedRMSNorm.__call__
 
   def spy(self, x, gate):
-    seen.append((float(jnp.mean(jnp.square(x))), self.eps))
+    seen.setdefault(name, []).append((float(jnp.mean(jnp.square(x))), self.eps))
     return call(self, x, gate)
 
   monkeypatch.setattr(norms.GatedRMSNorm, "__call__", spy)
+  names = ("mamba2", "gla_mamba2", "deltanet", "gated_deltanet")
   for seed in range(3):
-    for name in ("mamba2", "gla_mamba2"):
+    for name in names:
       RecurrentMixer(recurrent_preset(name, **SMALL), D, rngs=nnx.Rngs(seed))(_x(seed=seed))
-  assert len(seen) == 6
-  for (signal, eps), (unscaled, _) in zip(seen[::2], seen[1::2]):
-    assert signal < unscaled / 10 and signal < 1e-6 and signal > 10 * eps, (signal, unscaled, eps)
+  assert all(len(seen[n]) == 3 for n in names)
+  for name in names[1:]:
+    assert all(signal < 1e-6 and eps == 1e-6 for signal, eps in seen[name]), (name, seen[name])
+  for (signal, eps), (unscaled, _) in zip(seen["mamba2"], seen["gla_mamba2"]):
+    assert signal < unscaled / 10 and signal > 10 * eps, (signal, unscaled, eps)
 
 
 def test_write_scale_needs_a_per_head_decay():
