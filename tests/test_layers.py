@@ -336,8 +336,8 @@ def test_mamba2_write_scale_is_mamba2s_discretisation():
 
 
 def test_mamba2_output_norm_sees_the_signal_not_eps(monkeypatch):
-  """At initialisation every recurrent preset's op output is under the default output-norm eps (1e-6) in mean
-  square, and the write scale puts mamba2's (dt is 1e-3 to 0.1) more than 10x under gla_mamba2's; the mamba2
+  """At initialisation the op output of the S-NIAH grid's four recurrent presets is under the default output-norm
+  eps (1e-6) in mean square, and the write scale puts mamba2's (dt is 1e-3 to 0.1) more than 10x under gla_mamba2's; the mamba2
   preset's eps (1e-12) must sit well under it, or the norm would pass eps instead (at the default 1e-6 the small
   S-NIAH runs learned about half as much: docs/experiments.md, section 5)."""
   from gdn.layers import norms
