@@ -19,7 +19,9 @@ Jobs (the groups in `gdn-compare --list`'s order, as `--shard g/n` counts them):
 
 `--parallel N` runs up to N jobs at once, each its own process on the same devices, so that one job's start-up
 and compilation (about 75 s of a two-cell language-model job's 170 on the H200) overlap another's training;
-each job still gets what the budget has left when it starts.
+each job still gets what the budget has left when it starts. The `--fit` estimate is of a job alone: jobs at once
+on one GPU share it, so where training, not start-up, fills a job, keep one at a time (two two-cell S-NIAH jobs
+of about 250-280 s alone, run at once on one H100, were both cut at 541 s).
 
 Each job's output goes to results/<name>/runs/pieces/; `--log FILE` appends, per job, its command, the machine,
 its exit code (124: cut by the budget) and seconds, and each finished cell's last evaluation. Overrides
