@@ -19,9 +19,10 @@ Jobs (the groups in `gdn-compare --list`'s order, as `--shard g/n` counts them):
 
 `--parallel N` runs up to N jobs at once, each its own process on the same devices, so that one job's start-up
 and compilation (about 75 s of a two-cell language-model job's 170 on the H200) overlap another's training;
-each job still gets what the budget has left when it starts. The `--fit` estimate is of a job alone: jobs at once
-on one GPU share it, so where training, not start-up, fills a job, keep one at a time (two two-cell S-NIAH jobs
-of about 250-280 s alone, run at once on one H100, were both cut at 541 s).
+each job still gets what the budget has left when it starts. Jobs at once share the devices, so a program
+that would start beside k running ones is estimated to take k + 1 times its time alone, and so is what is left of
+each running one: it starts only where the time left holds all of that, else it waits for a slot to free (two
+two-cell S-NIAH programs of about 250-280 s alone, started together on one H100, were both cut at 541 s).
 
 Each job's output goes to results/<name>/runs/pieces/; `--log FILE` appends, per job, its command, the machine,
 its exit code (124: cut by the budget) and seconds, and each finished cell's last evaluation. Overrides
@@ -127,6 +128,14 @@ def estimate(cells, g: int):
   return max(every) if every else None
 
 
+def shared_need(secs: float, running_left) -> float:
+  """Seconds that a program estimated at `secs` alone needs if it starts beside programs with `running_left`
+  seconds of their own estimates left (None where a program has none): k + 1 programs on the same devices each
+  run at about 1/(k + 1) of their speed alone, the new one and the running ones alike."""
+  share = len(running_left) + 1
+  return share * max([secs] + [x for x in running_left if x is not None])
+
+
 def job_command(spec: str, overrides, g: int, num_groups: int, seed, stack_size: int, ids=()) -> list:
   cmd = [sys.executable, "-m", "experiments.compare", "--config", spec, *(f"--config.{o}" for o in overrides),
          "--config.train.progress_bar=false"]
@@ -190,7 +199,8 @@ def main(argv=None) -> int:
   p.add_argument("--stack-size", type=int, default=3, help="at most this many cells a program (0: a job's all)")
   p.add_argument("--parallel", type=int, default=1,
                  help="jobs run at once, each its own process on the same devices (one job's start-up and "
-                 "compilation then overlap another's training); with more than one, XLA_PYTHON_CLIENT_PREALLOCATE "
+                 "compilation then overlap another's training; a job starts beside k others only where the time "
+                 "left holds k + 1 times its estimate and theirs); with more than one, XLA_PYTHON_CLIENT_PREALLOCATE "
                  "is false in the jobs unless set")
   p.add_argument("--log", help="append each job's command, exit code, seconds and last evaluations to this file")
   p.add_argument("--archive", help="pack results/<name>/records/ into this .tgz after the report")
@@ -241,10 +251,12 @@ def main(argv=None) -> int:
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # else each job would take most of a GPU
   piece_log, failed = [], False
   queue = list(zip(names, jobs))
-  running = []  # (name, shown command, log path, process, start, deadline, timeout)
+  running = []  # (name, shown command, log path, process, start, deadline, timeout, estimate alone)
+  waiting = set()  # jobs told to wait for a slot (said once)
   while queue or running:
     while queue and len(running) < a.parallel:  # start jobs while a slot is free and the budget holds one
-      left = a.budget - a.reserve - (time.monotonic() - t0)
+      now = time.monotonic()
+      left = a.budget - a.reserve - (now - t0)
       if left < max(a.min_left, 1.0):
         for name, _ in queue:
           print(f"job {name}: not started, {left:.0f} s left (--min-left {a.min_left:g})")
@@ -257,6 +269,15 @@ def main(argv=None) -> int:
         print(f"job {name}: not started, {left:.0f} s left, about {secs:.0f} s needed (--fit {a.fit:g} x the "
               f"longest finished program of its group, or of the sweep)")
         continue
+      if secs and running:
+        need = shared_need(secs, [None if r[7] is None else max(0.0, r[7] - (now - r[4])) for r in running])
+        if left < a.fit * need:  # it fits alone: wait until the running jobs end, then estimate again
+          if name not in waiting:
+            print(f"job {name}: waits, {left:.0f} s left, about {need:.0f} s needed beside {len(running)} running "
+                  f"(each at 1/{len(running) + 1} of its speed alone)", flush=True)
+            waiting.add(name)
+          queue.insert(0, (name, (g, s, ids)))
+          break
       cmd = job_command(spec, overrides, g, n, s, a.stack_size, ids)
       shown = shlex.join(["python"] + cmd[1:])
       print(f"job {name}: {shown} (up to {left:.0f} s)", flush=True)
@@ -264,9 +285,9 @@ def main(argv=None) -> int:
       tag = re.sub(r"[^\w.-]+", "_", name)
       path = os.path.join(log_dir, f"{stamp}_{tag}.log")
       start = time.monotonic()
-      running.append((name, shown, path, start_job(cmd, path, env), start, start + left, left))
+      running.append((name, shown, path, start_job(cmd, path, env), start, start + left, left, secs))
     for job in list(running):  # finish the jobs that have ended or run out of time
-      name, shown, path, proc, start, deadline, timeout = job
+      name, shown, path, proc, start, deadline, timeout, _ = job
       rc = proc.poll()
       if rc is None and time.monotonic() < deadline:
         continue

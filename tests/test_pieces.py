@@ -194,6 +194,52 @@ def test_a_program_that_finished_in_the_same_command_sets_the_estimate(sweep, ca
   assert done(cells[0]) and not os.path.exists(cells[1].config.run_dir)
 
 
+def test_a_program_that_would_share_the_devices_waits_unless_the_time_left_holds_both(sweep, capsys, monkeypatch):
+  """With --parallel 2 a second program starts beside a running one only where the time left holds twice the
+  larger of their estimates (each at about half its speed alone); else it waits for the first to end and then
+  starts alone. (The estimate, 50 s, is the sweep's: a gdn cell finished before; `start_job` is a stand-in whose
+  program ends after a few polls.)"""
+  assert pieces.shared_need(50.0, []) == 50.0
+  assert pieces.shared_need(50.0, [80.0, None]) == 240.0
+
+  def run(seed, budget):
+    cells = _cells(sweep, f"sweep.seeds=({seed},)")
+    _finish(cells[2])
+    with open(os.path.join(cells[2].config.run_dir, "summary.json"), "w") as f:
+      json.dump({"steps": cells[2].config.train.last_step, "seconds": 50.0}, f)
+
+    class Program:
+      def __init__(self, ids):
+        self.ids, self.polls = ids, 0
+
+      def poll(self):
+        self.polls += 1
+        if self.polls < 3:
+          return None
+        for cell in cells:
+          if cell.id in self.ids and not os.path.exists(cell.config.run_dir):
+            _finish(cell)
+        return 0
+
+    def start_job(cmd, log_path, env=None):
+      open(log_path, "w").close()
+      return Program(cmd[cmd.index("--cells") + 1].split(","))
+
+    monkeypatch.setattr(pieces, "start_job", start_job)
+    assert pieces.main(["--config", sweep, *(f"--config.{o}" for o in OVERRIDES), f"--config.sweep.seeds=({seed},)",
+                        "--jobs", f"0:{seed}", "--stack-size", "1", "--parallel", "2", "--reserve", "30",
+                        "--budget", str(budget)]) == 0
+    assert done(cells[0]) and done(cells[1])
+    out = capsys.readouterr().out
+    return out, out.index(f"job attention:{seed} [1/2] rc=0"), out.index(f"job attention:{seed} [2/2]: python")
+
+  out, first_ends, second_starts = run(0, 130)  # 100 s left: 55 s alone fits, 110 s beside the first does not
+  assert re.search(r"job attention:0 \[2/2\]: waits, \d+ s left, about 100 s needed beside 1 running", out), out
+  assert first_ends < second_starts
+  out, first_ends, second_starts = run(1, 250)  # 220 s left: both start at once
+  assert "waits" not in out and second_starts < first_ends, out
+
+
 def test_compare_refuses_cells_the_sweep_does_not_have(sweep, capsys):
   """(The jobs above train through `gdn-compare --cells`, one program each.)"""
   from experiments import compare
