@@ -152,9 +152,9 @@ def test_sweep_models_do_not_inherit_the_base_models_switches():
   assert by_model["hybrid_3to1"].pattern == "RRRA" and by_model["hybrid_3to1"].num_layers == 4
 
 
-def test_niah_full_adds_the_sliding_window_hybrid():
-  """The full S-NIAH grid has the 3:1 hybrid twice: global attention (RRRA) and the paper's kind, a window of half
-  the training length (RRRW); the small CPU config keeps its five models."""
+def test_niah_has_the_hybrid_with_global_and_with_sliding_window_attention():
+  """The S-NIAH grids have the 3:1 hybrid twice: global attention (RRRA) and the paper's kind, a window of half
+  the training length (RRRW): 512 tokens in the full config, 32 in the small one."""
   by_model = {c.model: c.config.model for c in expand(load(os.path.join(ROOT, "configs", "niah.py")),
                                                       results="/nonexistent")}
   assert set(by_model) == {"attention", "deltanet", "mamba2", "gated_deltanet", "hybrid_3to1", "hybrid_3to1_swa"}
@@ -162,8 +162,10 @@ def test_niah_full_adds_the_sliding_window_hybrid():
   swa = by_model["hybrid_3to1_swa"]
   assert swa.pattern == "RRRW" and swa.attention.window == 512 and swa.num_layers == 4
   assert swa.recurrent == by_model["hybrid_3to1"].recurrent
-  small = {c.model for c in expand(load(os.path.join(ROOT, "configs", "niah.py") + ":small"), results="/nonexistent")}
-  assert small == {"attention", "deltanet", "mamba2", "gated_deltanet", "hybrid_3to1"}
+  small = {c.model: c.config.model for c in expand(load(os.path.join(ROOT, "configs", "niah.py") + ":small"),
+                                                   results="/nonexistent")}
+  assert set(small) == set(by_model)
+  assert small["hybrid_3to1_swa"].pattern == "RRRW" and small["hybrid_3to1_swa"].attention.window == 32
 
 
 def test_a_presets_hyperparameter_and_the_sweeps_own_overrides():
@@ -173,7 +175,7 @@ def test_a_presets_hyperparameter_and_the_sweeps_own_overrides():
   spec = os.path.join(ROOT, "configs", "niah.py") + ":small"
   eps = lambda config: {c.model: c.config.model.recurrent.norm_eps for c in expand(config, results="/nonexistent")}
   assert eps(load(spec)) == {"attention": 1e-6, "deltanet": 1e-6, "mamba2": 1e-12, "gated_deltanet": 1e-6,
-                             "hybrid_3to1": 1e-6}
+                             "hybrid_3to1": 1e-6, "hybrid_3to1_swa": 1e-6}
   on_base = eps(apply_overrides(load(spec), ["model.recurrent.norm_eps=1e-9"]))
   assert on_base.pop("mamba2") == 1e-12 and set(on_base.values()) == {1e-9}
   everywhere = eps(apply_overrides(load(spec), ["sweep.overrides=('model.recurrent.norm_eps=1e-6',)"]))
