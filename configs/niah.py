@@ -52,7 +52,7 @@ def get_config(size="full"):
   c.sweep.seeds = (0, 1, 2)
   c.sweep.learning_rates = LRS
   c.sweep.tune_seeds = (0,)  # seed 0 runs every rate, seeds 1 and 2 the one it picked (docs/experiments.md)
-  c.sweep.extend_edges = 1  # and one rate beyond the grid's end where seed 0 is best there
+  c.sweep.extend_edges = 2  # and up to two rates beyond the grid's end while seed 0 is best there
   if size == "small":
     n.value_length, n.uuid_length = 4, 8
     n.train_lengths = (64,)
