@@ -31,8 +31,18 @@ def test_fractions_on_the_small_config(capsys):
   assert "| sniah3_T512 | 32 |" in out
 
 
+def test_overrides_reach_the_splits():
+  """--config.key=value overrides, as gdn-compare takes them, set the splits counted: the examples of a run
+  trained with those overrides."""
+  rows = niah_window.main(["--config", "configs/niah.py:small", "--config.data.niah.eval_lengths=(256,)",
+                           "--window", "512"])
+  assert [r["split"] for r in rows] == ["sniah1_T256", "sniah2_T256", "sniah3_T256"]
+
+
 def test_bad_arguments_are_refused():
   with pytest.raises(SystemExit):
     niah_window.main(["--config", "configs/niah.py:small", "--window", "0"])
   with pytest.raises(SystemExit):
     niah_window.main(["--config", "configs/mqar.py:small", "--window", "8"])
+  with pytest.raises(SystemExit):
+    niah_window.main(["--window", "8"])
