@@ -63,7 +63,9 @@ def get_config(size="full"):
     base.schedule(base.cpu(c), 2000, 100, every=500)
     c.sweep.learning_rates = (1e-3,)
   c.sweep.models = dict(MODELS)
-  window = n.train_lengths[0] // 2  # 512 (full) or 32 (small)
+  # 512 (full) or 32 (small), fixed here: a run that overrides data.niah.train_lengths sets its window too, with
+  # "--config.sweep.overrides=('model.attention.window=W',)" (a model's overrides win over --config.model...)
+  window = n.train_lengths[0] // 2
   c.sweep.models["hybrid_3to1_swa"] = base.mixer("gated_deltanet", pattern="RRRW") + (
       f"model.attention.window={window}",)
   return c
