@@ -128,6 +128,10 @@ def estimate(cells, g: int):
   return max(every) if every else None
 
 
+# A job that has started: its process, when it started, its deadline and timeout, and its estimate alone (or None).
+Running = collections.namedtuple("Running", "name shown path proc start deadline timeout estimate")
+
+
 def shared_need(secs: float, running_left) -> float:
   """Seconds that a program estimated at `secs` alone needs if it starts beside programs with `running_left`
   seconds of their own estimates left (None where a program has none): k + 1 programs on the same devices each
@@ -251,7 +255,7 @@ def main(argv=None) -> int:
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # else each job would take most of a GPU
   piece_log, failed = [], False
   queue = list(zip(names, jobs))
-  running = []  # (name, shown command, log path, process, start, deadline, timeout, estimate alone)
+  running = []  # Running
   waiting = set()  # jobs told to wait for a slot (said once)
   while queue or running:
     while queue and len(running) < a.parallel:  # start jobs while a slot is free and the budget holds one
@@ -270,7 +274,8 @@ def main(argv=None) -> int:
               f"longest finished program of its group, or of the sweep)")
         continue
       if secs and running:
-        need = shared_need(secs, [None if r[7] is None else max(0.0, r[7] - (now - r[4])) for r in running])
+        need = shared_need(secs, [None if r.estimate is None else max(0.0, r.estimate - (now - r.start))
+                                  for r in running])
         if left < a.fit * need:  # it fits alone: wait until the running jobs end, then estimate again
           if name not in waiting:
             print(f"job {name}: waits, {left:.0f} s left, about {need:.0f} s needed beside {len(running)} running "
@@ -285,7 +290,7 @@ def main(argv=None) -> int:
       tag = re.sub(r"[^\w.-]+", "_", name)
       path = os.path.join(log_dir, f"{stamp}_{tag}.log")
       start = time.monotonic()
-      running.append((name, shown, path, start_job(cmd, path, env), start, start + left, left, secs))
+      running.append(Running(name, shown, path, start_job(cmd, path, env), start, start + left, left, secs))
     for job in list(running):  # finish the jobs that have ended or run out of time
       name, shown, path, proc, start, deadline, timeout, _ = job
       rc = proc.poll()
