@@ -168,6 +168,21 @@ def test_niah_has_the_hybrid_with_global_and_with_sliding_window_attention():
   assert small["hybrid_3to1_swa"].pattern == "RRRW" and small["hybrid_3to1_swa"].attention.window == 32
 
 
+def test_niah_sets_the_papers_numbers_beside_its_own_eval_splits():
+  """The full config's published S-NIAH numbers name its eval splits (so the report's table beside the paper is
+  not empty) and models of its grid, as fractions; the small config, at other lengths, has none."""
+  from gdn.data.niah import NIAHConfig, eval_splits  # noqa: PLC0415
+
+  config = load(os.path.join(ROOT, "configs", "niah.py"))
+  by_split = config.sweep.published["gdn_sniah"]["by_split"]
+  n = config.data.niah
+  names = {s.name for s in eval_splits(NIAHConfig(**{k: n[k] for k in ("tasks", "eval_lengths")}), 0)}
+  assert set(by_split) <= set(config.sweep.models) and set(by_split) == {"deltanet", "mamba2", "gated_deltanet"}
+  assert all(set(v) <= names and all(0 <= x <= 1 for x in v.values()) for v in by_split.values())
+  assert len(by_split["deltanet"]) == 11 and by_split["mamba2"]["sniah1_T8192"] == pytest.approx(0.304)
+  assert not load(os.path.join(ROOT, "configs", "niah.py") + ":small").sweep.published
+
+
 def test_a_presets_hyperparameter_and_the_sweeps_own_overrides():
   """The mamba2 preset's output-norm eps (1e-12) reaches its cells; a base-config eps reaches the other models'
   cells (the presets that do not set it leave it to the config) but not mamba2's; config.sweep.overrides, applied

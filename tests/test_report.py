@@ -26,6 +26,15 @@ def _fake_run(cell, history, metric="bits_per_byte", split="val", stopped_early=
       f.write(json.dumps({"step": step, f"eval/{split}/{metric}": value, f"eval/{metric}": value}) + "\n")
 
 
+def _finished(cell, steps: int, ev: dict):
+  """A finished run with one evaluation, at its last step: `ev` {split/metric or metric: value}."""
+  os.makedirs(cell.config.run_dir)
+  with open(os.path.join(cell.config.run_dir, "summary.json"), "w") as f:
+    json.dump({"steps": steps, "params": 1000, "eval": ev}, f)
+  with open(os.path.join(cell.config.run_dir, "metrics.jsonl"), "w") as f:
+    f.write(json.dumps({"step": steps, "train/loss": 0.5, **{f"eval/{k}": v for k, v in ev.items()}}) + "\n")
+
+
 def test_report_picks_the_best_rate_and_shows_every_evaluation(tmp_path):
   config = apply_overrides(load(os.path.join(ROOT, "configs", "hybrid.py") + ":small"),
                            ("sweep.learning_rates=(1e-3,3e-3)",))
@@ -134,16 +143,12 @@ def test_state_tracking_report_plots_the_metric_against_the_eval_length(tmp_path
                            ("sweep.seeds=(0,1,2)", "sweep.learning_rates=(1e-3,3e-3)"))
   cells = expand(config, results=str(tmp_path))
   for cell in cells:
-    os.makedirs(cell.config.run_dir)
     solved = 1.0 if cell.model.endswith("beta02") else 0.0
     # beta02: seeds 0, 1, 2 lose 0, 0.1, 0.2 beyond 64 at 3e-3; at 1e-3 seed 2 is best but the median worse
     drop = 0.1 * cell.seed if cell.lr == 3e-3 else (0.6, 0.5, 0.0)[cell.seed]
     ev = {f"T{T}/scaled_accuracy": solved - drop * (T > 64) for T in (40, 64, 128, 256)}
     ev["scaled_accuracy"] = sum(ev.values()) / 4
-    with open(os.path.join(cell.config.run_dir, "summary.json"), "w") as f:
-      json.dump({"steps": 600, "params": 1000, "eval": ev}, f)
-    with open(os.path.join(cell.config.run_dir, "metrics.jsonl"), "w") as f:
-      f.write(json.dumps({"step": 600, "train/loss": 0.5, **{f"eval/{k}": v for k, v in ev.items()}}) + "\n")
+    _finished(cell, 600, ev)
   paths = write_report(cells, str(tmp_path), title="t")
   table = open(paths["table.md"]).read()
   assert "Chance: 0." in table  # scaled accuracy: guessing scores 0
@@ -429,3 +434,41 @@ def test_a_sweep_trains_no_cell_beside_finished_cells_of_another_corpus(tmp_path
   table = open(write_report(cells, str(tmp_path / "results"), title="t")["table.md"]).read()
   assert ("**Not comparable: the runs trained on 2 different corpora** (train.bin SHA-256 aaaaaaaaaaaa: 2 runs; "
           f"bbbbbbbbbbbb: {cells[2].id})") in table
+
+
+def test_niah_report_plots_each_task_against_the_length_beside_the_papers_numbers(tmp_path):
+  from gdn.sweep.report import length_groups  # noqa: PLC0415
+
+  assert length_groups(["T40", "T64"]) == {"": {"T40": 40, "T64": 64}}
+  assert length_groups(["sniah1_T64", "sniah1_T128", "sniah2_T64", "sniah2_T128"]) == {
+      "sniah1": {"sniah1_T64": 64, "sniah1_T128": 128}, "sniah2": {"sniah2_T64": 64, "sniah2_T128": 128}}
+  assert length_groups(["sniah1_T64", "sniah2_T64"]) == {}  # one length a task: nothing to plot against
+  assert length_groups(["val", "T64", "T128"]) == {}
+
+  config = load(os.path.join(ROOT, "configs", "niah.py") + ":small")
+  config.sweep.models = {m: config.sweep.models[m] for m in ("deltanet", "mamba2")}
+  config.sweep.published = {"paper": dict(source="A paper", metric="accuracy (%) / 100", by_split={
+      "deltanet": {"sniah1_T64": 0.97, "sniah1_T128": 0.5}, "mamba2": {"sniah2_T512": 0.25}})}
+  cells = [c for c in expand(config, results=str(tmp_path)) if c.seed in (0, 1)]
+  splits = [f"sniah{t}_T{T}" for t in (1, 2, 3) for T in (64, 128, 256, 512)]
+  for cell in cells:
+    ev = {f"{sp}/seq_accuracy": (0.9 if cell.model == "deltanet" else 0.3) + 0.1 * cell.seed for sp in splits}
+    ev["seq_accuracy"] = float(np.mean(list(ev.values())))
+    _finished(cell, 2000, ev)
+  paths = write_report(cells, str(tmp_path), title="t")
+  table = open(paths["table.md"]).read()
+  # only the splits the paper reports, ours (mean ± std over the two seeds) above the paper's row
+  assert "| model | sniah1_T64 | sniah1_T128 | sniah2_T512 |" in table
+  assert "| deltanet | 0.950 ± 0.050 (2) | 0.950 ± 0.050 (2) | 0.950 ± 0.050 (2) |" in table
+  assert "| deltanet (paper) | 0.970 | 0.500 | – |" in table
+  assert "| mamba2 (paper) | – | – | 0.250 |" in table
+  assert os.path.getsize(paths["seq_accuracy_vs_length.png"]) > 1000
+
+
+def test_a_published_spec_by_split_is_checked_when_the_config_is_built():
+  from gdn.train.config import SweepConfig  # noqa: PLC0415
+
+  with pytest.raises(ValueError, match="by_split needs keys source and metric"):
+    SweepConfig(published={"p": dict(source="s", by_split={"deltanet": {"T64": 1.0}})})
+  with pytest.raises(ValueError, match="by_split as model"):
+    SweepConfig(published={"p": dict(source="s", metric="m", by_split={"deltanet": 1.0})})

@@ -77,3 +77,25 @@ def table(spec, ours: dict, metric: str) -> list:
                                               "" if math.isnan(o_delta) else f"{o_delta:+.3f} {o_dir}")
     lines.append(f"| {model} | {value:g} | {changes[0]} | {ours_text} | {changes[1]} | {agree} |")
   return lines
+
+
+def split_table(spec, ours: dict, metric: str, splits) -> list:
+  """Markdown lines for a spec with `by_split` (model -> {eval split: published value}, on our metric's scale):
+  for each published model, its row of ours (mean ± std over seeds at their best rates) and the paper's row,
+  one column per eval split that the paper reports. ours: model -> split -> the per-seed values."""
+  pub = spec["by_split"]
+  cols = [sp for sp in splits if any(sp in v for v in pub.values())]
+  lines = [f"{spec['source']}. Published metric: {spec['metric']}, shown on the scale of ours (`{metric}`); "
+           "ours: mean ± std over seeds (n).", "",
+           "| model | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+  for model, values in pub.items():
+    cells = []
+    for sp in cols:
+      v = [x for x in ours.get(model, {}).get(sp, ()) if not math.isnan(x)]
+      m = sum(v) / len(v) if v else math.nan
+      cells.append("–" if not v else f"{m:.3f} ± {math.sqrt(sum((x - m) ** 2 for x in v) / len(v)):.3f} "
+                   f"({len(v)})")
+    lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    lines.append(f"| {model} (paper) | " + " | ".join(f"{values[sp]:.3f}" if sp in values else "–" for sp in cols)
+                 + " |")
+  return lines

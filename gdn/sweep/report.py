@@ -300,6 +300,8 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
     lines += ["", "Picked at an end of the rate grid, so the best rate may lie outside it (a grid widened for every "
               "model would tell): " + "; ".join(edges) + "."]
   for spec in sweep.published.values():  # the first setting's numbers beside each published table
+    if "by_split" in spec:  # after the per-split table below
+      continue
     ours = {}
     for r in best:
       if r["setting"] == settings[0]:
@@ -356,6 +358,14 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
           vals = [[r[f"eval/{sp}/{metric}"] for r in rs if f"eval/{sp}/{metric}" in r] for sp in splits]
           lines.append(f"| {m} | {s} | " + " | ".join(_cell(np.mean(v), np.std(v), len(v)) if v else "–"
                                                        for v in vals) + " |")
+    for spec in sweep.published.values():  # the first setting's per-split numbers beside the paper's
+      if "by_split" in spec:
+        ours = {}
+        for r in best:
+          if r["setting"] == settings[0]:
+            for sp in splits:
+              ours.setdefault(r["model"], {}).setdefault(sp, []).append(float(r.get(f"eval/{sp}/{metric}", np.nan)))
+        lines += [""] + published.split_table(spec, ours, metric, splits)
   steps = sorted({step for r in best for step in _eval_history(r, metric)})
   if len(steps) > 1:  # the metric at every evaluation shows what a final number hides (e.g. overfitting)
     lines += ["", f"`{metric}` at each evaluation (best learning rate, mean over seeds; the last column is the "
@@ -372,7 +382,10 @@ def write_report(cells, out_dir: str, title: str = "") -> dict:
   with open(paths["table.md"], "w") as f:
     f.write("\n".join(lines) + "\n")
 
-  paths.update(_plots(best, models, settings, splits, metric, sweep.x_key, out_dir, chance, train_length(cells)))
+  by_split = {m: dict(v) for spec in sweep.published.values() if "by_split" in spec
+              for m, v in spec["by_split"].items()}
+  paths.update(_plots(best, models, settings, splits, metric, sweep.x_key, out_dir, chance, train_length(cells),
+                      by_split))
   return paths
 
 
@@ -384,9 +397,23 @@ def _eval_history(row, metric: str) -> dict:
   return {r["step"]: r[f"eval/{metric}"] for r in read_jsonl(path) if f"eval/{metric}" in r}
 
 
-def _plots(best, models, settings, splits, metric, x_key, out_dir, chance=None, trained=None) -> dict:
+def length_groups(splits) -> dict:
+  """The eval splits that are lengths, grouped by task: {"": {"T64": 64, ...}} for splits named `T<n>`,
+  {"sniah1": {"sniah1_T1024": 1024, ...}, ...} for `<task>_T<n>`; {} unless every split is one and every group
+  has two lengths or more (a plot against the length needs two)."""
+  groups = {}
+  for sp in splits:
+    m = re.fullmatch(r"(?:(.+)_)?T(\d+)", sp)
+    if not m:
+      return {}
+    groups.setdefault(m.group(1) or "", {})[sp] = int(m.group(2))
+  return groups if groups and all(len(g) > 1 for g in groups.values()) else {}
+
+
+def _plots(best, models, settings, splits, metric, x_key, out_dir, chance=None, trained=None, paper=None):
   """Mean over seeds with ± std error bars (bands for curves); panels share their y axis; a dotted line at
-  `chance` where the metric has one, a dashed one at the longest training length `trained`."""
+  `chance` where the metric has one, a dashed one at the longest training length `trained`. paper: model ->
+  {eval split: value}, drawn dashed beside that model's own line in the metric-vs-length plot."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -461,25 +488,50 @@ def _plots(best, models, settings, splits, metric, x_key, out_dir, chance=None, 
     if chance is not None:
       ax.axhline(chance, color="gray", ls=":", lw=1, label="chance")
 
-  lengths = {sp: int(sp[1:]) for sp in splits if re.fullmatch(r"T\d+", sp)}
+  groups = length_groups(splits)
 
-  def by_length(ax, s):
+  def by_length(ax, s, lengths):
     """The final metric at each eval length: generalisation beyond the training lengths."""
     for m in models:
       rs = [r for r in best if r["model"] == m and r["setting"] == s]
       pts = {T: [r[f"eval/{sp}/{metric}"] for r in rs if f"eval/{sp}/{metric}" in r] for sp, T in lengths.items()}
       xs = sorted(T for T, v in pts.items() if v)
+      color = None
       if xs:
-        ax.errorbar(xs, [np.mean(pts[T]) for T in xs], yerr=[np.std(pts[T]) for T in xs], marker="o", ms=3,
-                    capsize=3, label=m)
+        bars = ax.errorbar(xs, [np.mean(pts[T]) for T in xs], yerr=[np.std(pts[T]) for T in xs], marker="o", ms=3,
+                           capsize=3, label=m)
+        color = bars[0].get_color()
+      ref = (paper or {}).get(m, {})
+      pub = sorted((T, ref[sp]) for sp, T in lengths.items() if sp in ref)
+      if pub:
+        ax.plot([T for T, _ in pub], [v for _, v in pub], ls="--", marker="x", color=color, lw=1,
+                label=f"{m} (paper)")
     if chance is not None:
       ax.axhline(chance, color="gray", ls=":", lw=1, label="chance")
     if trained:
       ax.axvline(trained, color="red", ls="--", lw=1, label="longest training length")
+    ax.set_xscale("log", base=2)
+
+  def length_plot(name):
+    """One panel per setting and task group, a row per setting; every panel shares the y axis."""
+    fig, axes = plt.subplots(len(settings), len(groups), figsize=(4 * len(groups), 3.4 * len(settings)),
+                             squeeze=False, sharey=True)
+    for row, s in zip(axes, settings):
+      for ax, (g, lengths) in zip(row, groups.items()):
+        by_length(ax, s, lengths)
+        ax.set_title(": ".join(x for x in ((s if len(settings) > 1 or not g else ""), g) if x))
+        ax.set_xlabel("eval length")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    paths[name] = os.path.join(out_dir, name)
+    fig.savefig(paths[name], dpi=120)
+    plt.close(fig)
 
   per_setting("loss_curves.png", "train loss", losses, log=True)
-  if len(lengths) > 1 and len(lengths) == len(splits):
-    per_setting(f"{metric}_vs_length.png", metric, by_length, xlabel="eval length")
+  if groups:
+    length_plot(f"{metric}_vs_length.png")
   if any(len(h) > 1 for hs in curves.values() for h in hs):
     per_setting("eval_curves.png", f"eval {metric}", evals)
   return paths

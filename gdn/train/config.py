@@ -141,7 +141,8 @@ class SweepConfig:
   mode: str = "max"  # "max" | "min"
   x_key: str = ""  # a config key to plot the metric against (e.g. "model.d_model")
   # Published results to set beside ours in the report (gdn.sweep.published): name -> {"source", "metric",
-  # "reference" (one of models), "values" {model: number}}, lower is better.
+  # "reference" (one of models), "values" {model: number}}, lower is better; or name -> {"source", "metric",
+  # "by_split" {model: {eval split: value on our metric's scale}}}, set beside ours per split and in the length plot.
   published: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
@@ -163,9 +164,15 @@ class SweepConfig:
       raise ValueError("extend_edges needs tune_seeds: it widens the grid where the tuning seeds' best rate is at "
                        "its end (a grid of one rate has nothing to tune, and extend_edges does nothing there)")
     for name, spec in self.published.items():
+      if "by_split" in spec:  # per-split numbers (model -> {eval split: value}) beside ours, no reference row
+        missing = {"source", "metric"} - set(spec)
+        if missing or any(not isinstance(v, dict) for v in spec["by_split"].values()):
+          raise ValueError(f"published.{name} with by_split needs keys source and metric, and by_split as model -> "
+                           f"{{eval split: value}}; got keys {sorted(spec)}")
+        continue
       missing = {"source", "metric", "reference", "values"} - set(spec)
       if missing:
-        raise ValueError(f"published.{name} needs keys source, metric, reference and values; missing "
+        raise ValueError(f"published.{name} needs keys source, metric, reference and values (or by_split); missing "
                          f"{', '.join(sorted(missing))}")
       if spec["reference"] not in spec["values"]:
         raise ValueError(f"published.{name}.reference {spec['reference']!r} has no value in its values")
