@@ -513,17 +513,22 @@ def _plots(best, models, settings, splits, metric, x_key, out_dir, chance=None, 
     ax.set_xscale("log", base=2)
 
   def length_plot(name):
-    """One panel per setting and task group, a row per setting; every panel shares the y axis."""
-    fig, axes = plt.subplots(len(settings), len(groups), figsize=(4 * len(groups), 3.4 * len(settings)),
-                             squeeze=False, sharey=True)
-    for row, s in zip(axes, settings):
-      for ax, (g, lengths) in zip(row, groups.items()):
-        by_length(ax, s, lengths)
-        ax.set_title(": ".join(x for x in ((s if len(settings) > 1 or not g else ""), g) if x))
-        ax.set_xlabel("eval length")
-        ax.set_ylabel(metric)
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7)
+    """One panel per setting and task group, every panel on one y axis: one row of settings where the splits
+    are lengths alone (`T<n>`), else a row per setting with a panel per task."""
+    rows, cols = (1, len(settings)) if len(groups) == 1 else (len(settings), len(groups))
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.4 * rows), squeeze=False, sharey=True)
+    panels = [(s, g) for s in settings for g in groups]
+    for ax, (s, g) in zip(axes.flat, panels):
+      by_length(ax, s, groups[g])
+      ax.set_title(": ".join(x for x in ((s if len(settings) > 1 or not g else ""), g) if x))
+      ax.set_xlabel("eval length")
+      ax.set_ylabel(metric)
+      ax.grid(alpha=0.3)
+    legend = {}  # every panel's lines once (a paper may report a model in some panels only)
+    for ax in axes.flat:
+      for h, label in zip(*ax.get_legend_handles_labels()):
+        legend.setdefault(label, h)
+    axes[0][-1].legend(legend.values(), legend.keys(), fontsize=7)
     fig.tight_layout()
     paths[name] = os.path.join(out_dir, name)
     fig.savefig(paths[name], dpi=120)
