@@ -28,6 +28,15 @@ def pooled_std(ours: dict) -> tuple:
   return (math.sqrt(ss / dof), dof) if dof else (math.nan, 0)
 
 
+def _mean_std(values) -> tuple:
+  """(mean, std with ddof 0, n) of the values that are not NaN; (nan, nan, 0) where none is."""
+  v = [x for x in values if not math.isnan(x)]
+  if not v:
+    return math.nan, math.nan, 0
+  m = sum(v) / len(v)
+  return m, math.sqrt(sum((x - m) ** 2 for x in v) / len(v)), len(v)
+
+
 def table(spec, ours: dict, metric: str) -> list:
   """Markdown lines. ours: model -> the per-seed values of `metric` (each seed at its best rate). Our change is
   "≈" when it is within two standard errors of the difference of the two seed means, with one per-seed
@@ -44,11 +53,7 @@ def table(spec, ours: dict, metric: str) -> list:
            "| model | published | published change | ours | our change | agree? |", "|---|---|---|---|---|---|"]
 
   def stats(model):
-    v = [x for x in ours.get(model, ()) if not math.isnan(x)]
-    if not v:
-      return math.nan, math.nan, 0
-    m = sum(v) / len(v)
-    return m, math.sqrt(sum((x - m) ** 2 for x in v) / len(v)), len(v)
+    return _mean_std(ours.get(model, ()))
 
   r_mean, _, r_n = stats(ref)
   for model in [ref] + [m for m in pub if m != ref]:
@@ -91,10 +96,8 @@ def split_table(spec, ours: dict, metric: str, splits) -> list:
   for model, values in pub.items():
     cells = []
     for sp in cols:
-      v = [x for x in ours.get(model, {}).get(sp, ()) if not math.isnan(x)]
-      m = sum(v) / len(v) if v else math.nan
-      cells.append("–" if not v else f"{m:.3f} ± {math.sqrt(sum((x - m) ** 2 for x in v) / len(v)):.3f} "
-                   f"({len(v)})")
+      m, sd, n = _mean_std(ours.get(model, {}).get(sp, ()))
+      cells.append(f"{m:.3f} ± {sd:.3f} ({n})" if n else "–")
     lines.append(f"| {model} | " + " | ".join(cells) + " |")
     lines.append(f"| {model} (paper) | " + " | ".join(f"{values[sp]:.3f}" if sp in values else "–" for sp in cols)
                  + " |")
