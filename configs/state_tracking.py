@@ -60,6 +60,10 @@ def get_config(size="full"):
   c.data.state.eval_examples = 512
   base.apply(c, base.width(128, num_heads=4) + base.mixer("deltanet", allow_neg_eigval=True))
   c.model.dtype = "bfloat16"  # their torch.autocast(bfloat16) over float32 weights
+  # Chunks of 16: a training sequence of at most 40 tokens pads to 48 rather than to one chunk of 64. One cell's
+  # step on an H100 took 6.9 ms against 10.4 at 64 and 7.9 at 32, the loss the same
+  # (results/benchmarks/h100_2026-12-07/state_step_chunk.txt).
+  c.model.recurrent.chunk_size = 16
   base.schedule(c, 100_000, 10_000, every=5000)
   c.train.checkpoint_every = 1000  # the GPU grid runs in pieces cut by `timeout`: each resumes from here
   c.train.min_lr_ratio = 1e-3

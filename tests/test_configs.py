@@ -226,6 +226,7 @@ def test_state_tracking_follows_grazzi_et_al():
     assert (cfg.data.batch_size, cfg.train.steps, cfg.train.warmup_steps) == (1024, 100_000, 10_000)
     assert cfg.sweep.metric == "scaled_accuracy"
     assert cfg.model.dtype == "bfloat16"  # their run files: bfloat16 autocast over float32 weights
+    assert cfg.model.recurrent.chunk_size == 16  # lengths 3-40 pad to 48, not to one chunk of 64
   assert {c.lr for c in cells} == {1e-2, 1e-3, 5e-4, 1e-4} and {c.seed for c in cells} == {0, 1, 2}
   small = expand(load(os.path.join(ROOT, "configs", "state_tracking.py") + ":small"), results="/nonexistent")
   assert {c.config.model.dtype for c in small} == {"float32"}  # as its committed CPU runs
