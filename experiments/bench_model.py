@@ -42,7 +42,9 @@ The child runs before this process's own gdn step, whose memory JAX's allocator 
 torch.profiler holds, and on a GPU it runs with XLA's command buffers off (`--xla_gpu_enable_command_buffer=`),
 without which the trace names CUDA-graph command buffers instead of the HLO ops that map kernels to stages. gdn's
 table says so: its device time per step is of kernels launched one by one and need not match the step ms above.
-A failing child leaves its exit code and stderr's end instead.
+A failing child leaves its exit code and stderr's end instead. With both sides profiled, a last table sets their
+device time side by side per part of the step (the op's state pass, the rest of the op, the short conv, the norms,
+everything else; `gdn.bench.profile.parts_table`), every kernel counted.
 """
 
 from __future__ import annotations
@@ -365,10 +367,12 @@ def measure(a) -> list:
   elif child is not None:
     out[-1]["profile"] = child
   if a.profile:
-    from gdn.bench.profile import format_times
-    for r in out:
-      if "profile" in r:
-        print("\n" + format_times(r["profile"], a.profile, title=f"{r['name'].split()[0]}, one training step: "))
+    from gdn.bench.profile import format_times, parts_table
+    profiles = {r["name"].split()[0]: r["profile"] for r in out if "profile" in r}
+    for side, prof in profiles.items():
+      print("\n" + format_times(prof, a.profile, title=f"{side}, one training step: "))
+    if set(profiles) == {"gdn", "fla"}:
+      print("\n" + parts_table(profiles["gdn"], profiles["fla"]))
   return out
 
 

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import pytest
 
 from gdn.bench import profile
-from gdn.bench.profile import (NO_COMMAND_BUFFERS, child_env, command_buffers_off, format_times, jax_kernel_times,
-                               jax_profile_in_child, read_profiles, stage_of, torch_kernel_times, write_profiles)
+from gdn.bench.profile import (NO_COMMAND_BUFFERS, PARTS, child_env, command_buffers_off, format_times,
+                               jax_kernel_times, jax_profile_in_child, part_of, parts, parts_table, read_profiles,
+                               stage_of, torch_kernel_times, write_profiles)
 
 
 def test_stage_of_keeps_the_scopes_and_the_side():
@@ -50,6 +51,53 @@ def test_torch_kernel_times_counts_the_operators():
   prof = torch_kernel_times(lambda: (a @ a).sum(), steps=4)
   assert prof["total_us"] > 0 and any("mm" in r[2] for r in prof["kernels"]), prof["kernels"]
   assert all(r[1] > 0 for r in prof["kernels"])
+
+
+def test_parts_put_each_sides_kernels_in_the_same_parts_of_the_step():
+  """Kernel names and stages as the 340M model's traces have them (results/benchmarks/h100_2026-12-07/
+  model_340m_vs_fla_profile.txt): every kernel lands in one part, and the table sets the sides' sums together."""
+  R = "eval_jaxpr/recurrent/"
+  op = f"bwd: {R}gated_delta_rule"
+  gdn = {"kernels": [(43163.0, 21, "gdn_chunk_dstates_bwd", "pallas_call.20", op),
+                     (23190.0, 21, "gdn_chunk_states_fwd", "pallas_call.16", op),
+                     (11127.0, 21, "gemm_fusion_dot_89", "gemm_fusion_dot.89", op),
+                     (106.0, 21, "fusion_1", "fusion.1", "fwd: recurrent/gated_delta_rule/chunk_local"),
+                     (603.0, 21, "loop_fusion", "loop_fusion", f"bwd: {R}gates"),
+                     (14318.0, 21, "loop_add_fusion_1", "loop_add_fusion.1", f"bwd: {R}short_conv"),
+                     (12577.0, 21, "input_convert_reduce_transpose_fusion", "x", f"bwd: {R}out_norm"),
+                     (7252.0, 21, "loop_convert_fusion_19", "x", f"fwd: {R}qk_norm"),
+                     (12301.0, 21, "input_reduce_fusion", "x", "bwd: eval_jaxpr/norm"),
+                     (7800.0, 21, "loop_add_multiply_fusion", "x", "bwd: eval_jaxpr/mlp"),
+                     (17456.0, 21, "fusion_9", "fusion.9", "(not in the module)")]}
+  fla = {"kernels": [(37615.0, 21, "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64", "", ""),
+                     (33436.0, 42, "chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "", ""),
+                     (34712.0, 21, "chunk_bwd_kernel_dqkwg", "", ""),
+                     (10773.0, 21, "prepare_wy_repr_bwd_kernel", "", ""),
+                     (9604.0, 42, "recompute_w_u_fwd_kernel", "", ""),
+                     (500.0, 21, "gdn_gate_bwd_kernel", "", ""),
+                     (26481.0, 21, "causal_conv1d_bwd_kernel", "", ""),
+                     (14144.0, 43, "layer_norm_bwd_kernel_row", "", ""),
+                     (8541.0, 21, "layer_norm_gated_bwd_kernel", "", ""),
+                     (4214.0, 42, "l2norm_bwd_kernel", "", ""),
+                     (29347.0, 127, "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "", ""),
+                     (8361.0, 21, "swiglu_fwdbwd_kernel", "", ""),
+                     (16823.0, 147, "void at::native::vectorized_elementwise_kernel<4, at::native::add", "", "")]}
+  g, f = parts(gdn, "gdn"), parts(fla, "fla")
+  assert list(g) == list(PARTS) == list(f)
+  us = lambda *v: pytest.approx(sum(v))
+  assert g == {"op: state pass": us(43163, 23190), "op: the rest": us(11127, 106, 603), "short conv": us(14318),
+               "norms": us(12577, 7252, 12301), "everything else": us(7800, 17456)}
+  assert f == {"op: state pass": us(37615, 33436), "op: the rest": us(34712, 10773, 9604, 500),
+               "short conv": us(26481), "norms": us(14144, 8541, 4214), "everything else": us(29347, 8361, 16823)}
+  assert sum(g.values()) == pytest.approx(sum(r[0] for r in gdn["kernels"]))
+  assert part_of("gdn", "loop_fusion", "fwd: eval_jaxpr/mlp") == "everything else"
+  with pytest.raises(ValueError, match="side must be"):
+    part_of("torch", "x")
+  table = parts_table(gdn, fla).splitlines()
+  assert table[1] == "| part | gdn | fla | gdn - fla | gdn / fla |"
+  assert table[3] == "| op: state pass | 66.353 | 71.051 | -4.698 | 0.93x |", table
+  assert table[-1] == "| total | 149.893 | 234.551 | -84.658 | 0.64x |", table
+  assert parts_table({"error": "x"}, fla) == "parts: not compared, gdn not profiled"
 
 
 def test_child_env_turns_command_buffers_off_on_a_gpu_only():

@@ -23,6 +23,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -186,6 +187,59 @@ def torch_kernel_times(step, steps: int = 5) -> dict:
   rows.sort(key=lambda r: -r[0])
   return dict(steps=steps, total_us=sum(r[0] for r in rows), kernels=rows, stages=[],
               source="CUDA kernels" if cuda else "CPU operators")
+
+
+# The parts of a Gated DeltaNet model's training step that gdn and fla both have, for `parts_table`: gdn's kernels
+# by the stage they ran in (the named scopes of `gdn.layers.recurrent` and the model) and the state pass by its
+# Pallas kernels' names, fla's kernels by their names (fla 0.6.0's Triton kernels; cuBLAS GEMMs and PyTorch's
+# elementwise and copy kernels fall to the last part). The first part that matches takes a kernel.
+PARTS = ("op: state pass", "op: the rest", "short conv", "norms", "everything else")
+_GDN_STATE_PASS = re.compile(r"^gdn_chunk_d?states_")
+_GDN_STAGES = (("op: the rest", ("gated_delta_rule", "gates")), ("short conv", ("short_conv",)),
+               ("norms", ("qk_norm", "out_norm", "norm")))
+_FLA_KERNELS = (("op: state pass", re.compile(r"^chunk_gated_delta_rule_(fwd_kernel_h|bwd_kernel_dhu)")),
+                ("op: the rest", re.compile(r"^(chunk_|prepare_wy_repr|recompute_w_u|solve_tril|merge_16x16|"
+                                            r"gdn_gate|fused_recurrent)")),
+                ("short conv", re.compile(r"^causal_conv1d")),
+                ("norms", re.compile(r"^(layer_norm|rms_norm|l2norm)")))
+
+
+def part_of(side: str, kernel: str, stage: str = "") -> str:
+  """The part (PARTS) of a kernel of gdn's profile (its name and stage, as jax_kernel_times gives them) or of fla's
+  (its name). side: "gdn" or "fla"."""
+  if side == "fla":
+    return next((part for part, pattern in _FLA_KERNELS if pattern.search(kernel)), PARTS[-1])
+  if side != "gdn":
+    raise ValueError(f"side must be 'gdn' or 'fla', got {side!r}")
+  if _GDN_STATE_PASS.search(kernel):
+    return PARTS[0]
+  scopes = stage.split(": ", 1)[-1].split("/")
+  return next((part for part, names in _GDN_STAGES if any(n in scopes for n in names)), PARTS[-1])
+
+
+def parts(prof: dict, side: str) -> dict:
+  """us a step per part (PARTS, in order) of a profile of jax_kernel_times (side "gdn") or torch_kernel_times
+  ("fla"), every kernel counted."""
+  out = dict.fromkeys(PARTS, 0.0)
+  for us, _, name, _, stage in prof["kernels"]:
+    out[part_of(side, name, stage)] += us
+  return out
+
+
+def parts_table(gdn_prof: dict, fla_prof: dict) -> str:
+  """Markdown: ms a step per part (PARTS) for gdn and fla side by side, their difference and ratio, and the totals:
+  where a model-level gap between the two lies. A profile that failed gives a line saying so."""
+  failed = [side for side, prof in (("gdn", gdn_prof), ("fla", fla_prof)) if "error" in prof]
+  if failed:
+    return f"parts: not compared, {' and '.join(failed)} not profiled"
+  g, f = parts(gdn_prof, "gdn"), parts(fla_prof, "fla")
+  lines = ["device time per step by part, both sides (ms; gdn by stage and state-pass kernels, fla by kernel name):",
+           "| part | gdn | fla | gdn - fla | gdn / fla |", "|---|---:|---:|---:|---:|"]
+  for part in PARTS + ("total",):
+    a, b = (sum(g.values()), sum(f.values())) if part == "total" else (g[part], f[part])
+    ratio = f"{a / b:.2f}x" if b else "-"
+    lines.append(f"| {part} | {a / 1e3:.3f} | {b / 1e3:.3f} | {(a - b) / 1e3:+.3f} | {ratio} |")
+  return "\n".join(lines)
 
 
 def format_times(prof: dict, top: int = 20, title: str = "", per: str = "step") -> str:
