@@ -192,7 +192,9 @@ def torch_kernel_times(step, steps: int = 5) -> dict:
 # The parts of a Gated DeltaNet model's training step that gdn and fla both have, for `parts_table`: gdn's kernels
 # by the stage they ran in (the named scopes of `gdn.layers.recurrent` and the model) and the state pass by its
 # Pallas kernels' names, fla's kernels by their names (fla 0.6.0's Triton kernels; cuBLAS GEMMs and PyTorch's
-# elementwise and copy kernels fall to the last part). The first part that matches takes a kernel.
+# elementwise and copy kernels fall to the last part). The first part that matches takes a kernel. A fusion of XLA
+# counts where its HLO op is named: work fused across stages (the short conv's forward, which XLA fuses into the
+# q/k norm's or the projections' kernels) counts in that other stage's part.
 PARTS = ("op: state pass", "op: the rest", "short conv", "norms", "everything else")
 _GDN_STATE_PASS = re.compile(r"^gdn_chunk_d?states_")
 _GDN_STAGES = (("op: the rest", ("gated_delta_rule", "gates")), ("short conv", ("short_conv",)),
