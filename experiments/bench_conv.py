@@ -13,6 +13,9 @@ left out). On CPU the times only check that the script runs.
   python -m experiments.bench_conv                                    # the two model shapes, bfloat16
   python -m experiments.bench_conv --shapes 2,256,96 --reps 2         # a quick run
   python -m experiments.bench_conv --switch layers.conv.CONV_VJP=off,on    # the conv's own VJP instead
+  # the Pallas kernels' blocks, a row each (one command):
+  python -m experiments.bench_conv --shapes 8,4096,6144 --switch layers.conv.CONV_KERNEL=on
+      --switch layers.conv_kernel.BLOCK_T=16,32,64 --switch layers.conv_kernel.BLOCK_C=32,64,128
 """
 
 from __future__ import annotations

@@ -70,8 +70,8 @@ def parse_args(argv=None):
   p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                  help="any config key, e.g. model.remat=dots (repeatable)")
   p.add_argument("--switch", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                 help="a module switch under gdn for gdn's side, VALUE off, on or auto, e.g. "
-                      "ops.pallas_chunk.BWD_STATES=on (repeatable)")
+                 help="a module switch under gdn for gdn's side, VALUE off, on or auto (an integer "
+                      "for an int setting, e.g. a block size), e.g. ops.pallas_chunk.BWD_STATES=on (repeatable)")
   p.add_argument("--batch", type=int, default=8, help="sequences a step")
   p.add_argument("--token-file", metavar="PATH",
                  help="take the batch from this token file (data.text.token_dtype) instead of random tokens")

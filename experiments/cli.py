@@ -12,9 +12,16 @@ SETTINGS = {"off": False, "on": True, "auto": None, "primal": "primal", "vjp": "
 ONLY_FOR = {"primal": ("SEGSUM_MATMUL",), "vjp": ("SEGSUM_MATMUL",)}
 
 
-def takes(name: str, value: str) -> bool:
-  """Whether the module switch `name` takes the command-line value `value`."""
+def takes(name: str, value: str, current=None) -> bool:
+  """Whether the module switch `name`, now `current`, takes the command-line value `value`: a key of SETTINGS, or
+  a non-negative integer where the setting is an int (a block size, warps: tuning sweeps)."""
+  if isinstance(current, int) and not isinstance(current, bool):
+    return value.isdigit()
   return value in SETTINGS and name in ONLY_FOR.get(value, (name,))
+
+
+def _value(value: str):
+  return int(value) if value.isdigit() else SETTINGS[value]
 
 
 def add_autotune_cache(parser):
@@ -70,10 +77,12 @@ def apply_setting(setting: str):
     path, value = part.split("=")
     module, name = path.rsplit(".", 1)
     mod = importlib.import_module(f"gdn.{module}")
-    if not hasattr(mod, name) or not takes(name, value):
+    current = getattr(mod, name, None)
+    if not hasattr(mod, name) or not takes(name, value, current):
       restore()
+      taken = [v for v in SETTINGS if takes(name, v, current)] + (["an integer"] if takes(name, "0", current) else [])
       raise SystemExit(f"--switch: gdn.{module} has no setting {name!r}, or {value!r} is not one it takes "
-                       f"({', '.join(v for v in SETTINGS if takes(name, v))})")
-    previous.append((mod, name, getattr(mod, name)))
-    setattr(mod, name, SETTINGS[value])
+                       f"({', '.join(taken)})")
+    previous.append((mod, name, current))
+    setattr(mod, name, _value(value))
   return restore

@@ -605,6 +605,7 @@ def test_qwen3_next_export(torch, hf_qwen3_next, tmp_path):
 @pytest.mark.interop
 def test_load_model_names_what_does_not_fit(tmp_path):
   """Without torch: a checkpoint written by save_model, then spoiled one way at a time."""
+  pytest.importorskip("safetensors.numpy")  # the interop extra
   config = dict(hidden_size=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=4,
                 linear_value_head_dim=4, linear_conv_kernel_dim=4, num_attention_heads=2, num_key_value_heads=1,
                 head_dim=8, num_hidden_layers=2, full_attention_interval=2, vocab_size=20, intermediate_size=24,
@@ -631,6 +632,7 @@ def test_load_model_names_what_does_not_fit(tmp_path):
 def test_save_model_unstacks_scanned_layers_ignores_remat_and_keeps_odd_value_widths(tmp_path):
   """Without torch: a model trained as configs/lm_paper.py trains (scanned layers, remat) exports as it is, and a
   value width that V / K rounds one short (K = 11, V = 15) comes back whole; the logits survive the round trip."""
+  pytest.importorskip("safetensors.numpy")  # the interop extra
   from gdn.model import stack_layers
 
   config = dict(hidden_size=16, num_hidden_layers=4, num_heads=2, head_dim=11, expand_v=15 / 11, vocab_size=20,
@@ -653,6 +655,7 @@ def test_save_model_unstacks_scanned_layers_ignores_remat_and_keeps_odd_value_wi
 def test_a_tensor_beside_the_head_is_refused_and_fla_hidden_ratio_may_be_null(tmp_path):
   """Without torch: a checkpoint key that merely starts with lm_head.weight (a quantizer's scale) has no place in
   our model; fla's config may write hidden_ratio null, which fla reads as 4."""
+  pytest.importorskip("safetensors.numpy")  # the interop extra
   config = dict(hidden_size=16, num_hidden_layers=1, num_heads=2, head_dim=8, vocab_size=20, intermediate_size=None,
                 hidden_ratio=None)
   cfg = fla_interop.model_config(config)

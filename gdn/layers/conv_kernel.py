@@ -40,6 +40,11 @@ from gdn.ops.pallas_common import default_interpret
 
 BLOCKS_T = (64, 32, 16)
 BLOCKS_C = (128, 64, 32, 16)
+# One block size to use in place of the first of BLOCKS_T / BLOCKS_C that divides the shape (0: that choice), e.g.
+# for a sweep (`experiments/bench_conv.py --switch layers.conv_kernel.BLOCK_T=16,32,64`). Read at the call; a
+# shape the size does not divide keeps XLA's taps.
+BLOCK_T = 0
+BLOCK_C = 0
 # Warps per program: one per 1,024 elements of the block, at most 8. At [64, 128] blocks, offline for sm_90
 # (Triton 3.9, ptxas -v, bfloat16, (8, 8192, 6144); `gdn.bench.kernel_resources`) 8 warps need 99-121 registers a
 # thread and spill nothing, where 4 warps need 255 and spill 92-96 bytes in the forward and dx kernels.
@@ -48,8 +53,8 @@ ELEMENTS_PER_WARP = 1024
 
 def supported(T: int, C: int, W: int) -> Optional[tuple]:
   """(BT, BC), the blocks for a [B, T, C] input and W taps, or None where the kernels do not apply."""
-  bt = next((b for b in BLOCKS_T if T % b == 0 and b >= W), None)
-  bc = next((b for b in BLOCKS_C if C % b == 0), None)
+  bt = next((b for b in ((BLOCK_T,) if BLOCK_T else BLOCKS_T) if T % b == 0 and b >= W), None)
+  bc = next((b for b in ((BLOCK_C,) if BLOCK_C else BLOCKS_C) if C % b == 0), None)
   return None if bt is None or bc is None or W < 1 else (bt, bc)
 
 
