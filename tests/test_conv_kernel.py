@@ -29,7 +29,10 @@ def _taps(x, state, w, b, keep, activation):
     (1, 96, 64, 3, True, False, None),      # three blocks of 32, three taps
     (2, 32, 16, 1, False, True, None),      # one tap: no state
 ])
-def test_the_kernels_give_the_taps_outputs_and_gradients_in_float64(B, T, C, W, bias, segments, activation):
+@pytest.mark.parametrize("fused", [False, True])  # the backward as one kernel (segment masks keep the two)
+def test_the_kernels_give_the_taps_outputs_and_gradients_in_float64(monkeypatch, B, T, C, W, bias, segments,
+                                                                    activation, fused):
+  monkeypatch.setattr(conv_kernel, "FUSED_BWD", fused)
   with jax.enable_x64(True):
     k = jax.random.split(jax.random.key(0), 6)
     f64 = jnp.float64
@@ -108,6 +111,27 @@ def test_short_conv_with_the_kernels_matches_the_taps(monkeypatch, dtype, tol, p
   assert_close(dgot, dwant, tol)
 
 
+def test_the_fused_backward_matches_the_two_kernels_in_bfloat16(monkeypatch):
+  """FUSED_BWD rounds dpre to the input's dtype as the two kernels do: gradients (input, state, weight, bias) of
+  bfloat16 parts agree to float32 rounding, and the one kernel replaces the two."""
+  B, T, C, W = 2, 64, 64, 4
+  conv = ShortConv(C, W, bias=True, rngs=nnx.Rngs(0))
+  conv.weight[...] = jax.random.normal(jax.random.key(1), (W, C)) * 0.5
+  x = jax.random.normal(jax.random.key(2), (B, T, C), jnp.bfloat16)
+  s0 = jax.random.normal(jax.random.key(3), (B, W - 1, C), jnp.bfloat16)
+  dy = jax.random.normal(jax.random.key(4), (B, T, C), jnp.float32)
+  monkeypatch.setattr(conv_mod, "CONV_KERNEL", True)
+  out = []
+  for fused in (False, True):
+    monkeypatch.setattr(conv_kernel, "FUSED_BWD", fused)
+    f, params = _conv_loss(conv, None, s0, dy, [16, 48])
+    grad = jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+    jaxpr = str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(params, x, s0))
+    assert ("gdn_short_conv_bwd_fused" in jaxpr) == fused and ("gdn_short_conv_bwd_dx" in jaxpr) != fused
+    out.append(grad(params, x, s0))
+  assert_close(out[1], out[0], 1e-2)  # bfloat16 dx: one rounding apart at most
+
+
 def test_the_gated_deltanet_layer_is_the_same_with_the_kernels(monkeypatch):
   """The mixer hands its q, k and v to the conv as parts: float32 outputs and gradients as with the taps."""
   make_loss, params, x = mixer_loss(jnp.float32)
@@ -121,7 +145,8 @@ def test_the_gated_deltanet_layer_is_the_same_with_the_kernels(monkeypatch):
 
 
 def test_shapes_the_kernels_decline_keep_the_taps(monkeypatch):
-  assert conv_kernel.supported(64, 48, 4) == (64, 16) and conv_kernel.supported(96, 256, 4) == (32, 128)
+  assert conv_kernel.supported(64, 48, 4) == (64, 16) and conv_kernel.supported(96, 256, 4) == (32, 64)
+  assert conv_kernel.supported(64, 96, 4) == (64, 32)  # 64 channels first, then 128, 32, 16
   assert conv_kernel.supported(40, 64, 4) is None and conv_kernel.supported(64, 40, 4) is None
   with pytest.raises(ValueError, match="T a multiple of one of"):
     conv_kernel.short_conv(jnp.zeros((1, 40, 64)), jnp.zeros((1, 3, 64)), jnp.zeros((4, 64)))
@@ -142,10 +167,13 @@ def test_shapes_the_kernels_decline_keep_the_taps(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.full_optimizations
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
-@pytest.mark.parametrize("B,T,C,segments", [(4, 512, 1536, False), (2, 256, 384, True)])
-def test_the_compiled_kernels_match_the_taps_on_a_gpu(dtype, tol, B, T, C, segments):
-  """The Triton kernels as the card compiles them (the language-model grid's shape, and segments), against the
-  taps in float32 (bfloat16: the taps sum in bfloat16, the kernels in float32)."""
+@pytest.mark.parametrize("B,T,C,segments,fused", [(4, 512, 1536, False, False), (2, 256, 384, True, False),
+                                                 (4, 512, 1536, False, True)])
+def test_the_compiled_kernels_match_the_taps_on_a_gpu(monkeypatch, dtype, tol, B, T, C, segments, fused):
+  """The Triton kernels as the card compiles them (the language-model grid's shape, and segments; the backward
+  as two kernels or one), against the taps in float32 (bfloat16: the taps sum in bfloat16, the kernels in
+  float32)."""
+  monkeypatch.setattr(conv_kernel, "FUSED_BWD", fused)
   W = 4
   k = jax.random.split(jax.random.key(0), 5)
   x, state = jax.random.normal(k[0], (B, T, C), dtype), jax.random.normal(k[1], (B, W - 1, C), dtype)

@@ -41,13 +41,13 @@ def test_apply_setting_sets_every_part_and_puts_them_back():
 
 def test_integer_settings_take_integers_and_switches_do_not():
   from gdn.layers import conv_kernel
-  assert conv_kernel.supported(128, 256, 4) == (64, 128)
+  assert conv_kernel.supported(128, 256, 4) == (64, 64)
   restore = apply_setting("layers.conv_kernel.BLOCK_T=16+layers.conv_kernel.BLOCK_C=32")
   assert (conv_kernel.BLOCK_T, conv_kernel.BLOCK_C) == (16, 32)
   assert conv_kernel.supported(128, 256, 4) == (16, 32)
   assert conv_kernel.supported(128, 48, 4) is None  # a size that does not divide C: XLA's taps
   restore()
-  assert (conv_kernel.BLOCK_T, conv_kernel.BLOCK_C) == (0, 0) and conv_kernel.supported(128, 256, 4) == (64, 128)
+  assert (conv_kernel.BLOCK_T, conv_kernel.BLOCK_C) == (0, 0) and conv_kernel.supported(128, 256, 4) == (64, 64)
   # A boolean switch takes no integer, and an integer setting no "on".
   with pytest.raises(SystemExit, match=r"'1' is not one it takes \(off, on, auto\)"):
     apply_setting("ops.intra_chunk.LOCAL_VJP=1")

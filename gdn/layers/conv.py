@@ -34,7 +34,9 @@ CONV_LAX = False
 # float32 arithmetic, no shifted copies; a model's q, k and v convolved each in place (`ShortConv` given the parts)
 # so that their concatenation is never written. Shapes the kernels decline (T or C not a multiple of a block) keep
 # the other paths. Off: on the H200 no faster than the taps and the layer's peak unchanged (docs/benchmarks.md,
-# "On the card neither switch pays"; `experiments/bench_conv.py --switch layers.conv.CONV_KERNEL=off,on`).
+# "On the card neither switch pays"; `experiments/bench_conv.py --switch layers.conv.CONV_KERNEL=off,on`); on an
+# H100 with 64-channel blocks (now the kernels' first choice) the conv alone took 0.87x the taps' time, the 340M
+# step 544.2 against 546.6 ms, within its spread (results/benchmarks/h100_2026-12-07/model_340m_conv.txt).
 # Read at trace time; takes precedence over CONV_VJP and CONV_LAX where on.
 CONV_KERNEL = False
 

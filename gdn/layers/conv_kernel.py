@@ -18,7 +18,8 @@ dtype (as `conv._conv_bwd` rounds it), and each block's weight-gradient partial 
 dpre[u] [W, BC] in float32 (XLA adds them up over batch and time); (2) dx[t] = sum_j w[j] keep[t + s_j, j]
 dpre[t + s_j] with s_j = W-1-j, reading the last block's rows beyond T from `tail` = [dpre[T-BT:]; zeros]. The
 W-1 state rows' cotangent (the previous slice's inputs under context parallelism) and the bias' are small sums
-in XLA.
+in XLA. With `FUSED_BWD` (no segments) one kernel does both: each block recomputes the pre-activation at the W
+row windows that its dx reads, so dpre is never written.
 
 Triton constraints the kernels keep: power-of-two blocks of at least 16, dynamic row windows of refs
 (`pl.ds`), no slicing of loaded values; `supported` says which shapes take the kernels (T and C multiples of a
@@ -39,15 +40,26 @@ from jax.experimental.pallas import triton as pl_triton
 from gdn.ops.pallas_common import default_interpret
 
 BLOCKS_T = (64, 32, 16)
-BLOCKS_C = (128, 64, 32, 16)
+# Channels: 64 first. On an H100 at the 340M step's conv (8, 4096, 6144), bfloat16, [64, 64] blocks at 4 warps took
+# the conv's forward+backward to 1.267 ms, against 2.536 at [64, 128] and 8 warps and 1.460 for XLA's taps
+# (`experiments/bench_conv.py`, results/benchmarks/h100_2026-12-07/conv_blocks.txt; docs/benchmarks.md).
+BLOCKS_C = (64, 128, 32, 16)
 # One block size to use in place of the first of BLOCKS_T / BLOCKS_C that divides the shape (0: that choice), e.g.
 # for a sweep (`experiments/bench_conv.py --switch layers.conv_kernel.BLOCK_T=16,32,64`). Read at the call; a
 # shape the size does not divide keeps XLA's taps.
 BLOCK_T = 0
 BLOCK_C = 0
-# Warps per program: one per 1,024 elements of the block, at most 8. At [64, 128] blocks, offline for sm_90
-# (Triton 3.9, ptxas -v, bfloat16, (8, 8192, 6144); `gdn.bench.kernel_resources`) 8 warps need 99-121 registers a
-# thread and spill nothing, where 4 warps need 255 and spill 92-96 bytes in the forward and dx kernels.
+# The backward as one kernel (`_bwd_fused_kernel`, no segment masks): True, each block recomputes the
+# pre-activation at the W shifted row windows its dx reads (the taps' rows from L2), so that dpre is never
+# written; dx, the weight's and the bias' partial sums in one pass over x and dy. False, the two kernels above
+# (dpre written once, then read for dx). Read at the call. Off: on an H100 at (8, 4096, 6144), bfloat16, it took
+# the conv's forward+backward 2.46-3.79 ms against the two kernels' 1.27-2.54 and the taps' 1.46, and the 340M step
+# 601.0 ms against 546.6 (results/benchmarks/h100_2026-12-07/conv_blocks.txt, model_340m_conv.txt).
+FUSED_BWD = False
+# Warps per program: one per 1,024 elements of the block, at most 8 (4 at [64, 64]). At [64, 128] blocks, offline
+# for sm_90 (Triton 3.9, ptxas -v, bfloat16, (8, 8192, 6144); `gdn.bench.kernel_resources`) 8 warps need 99-121
+# registers a thread and spill nothing, where 4 warps need 255 and spill 92-96 bytes in the forward and dx kernels;
+# [64, 64] at 4 warps holds as many elements a thread as [64, 128] at 8.
 ELEMENTS_PER_WARP = 1024
 
 
@@ -145,6 +157,96 @@ def _bwd_dx_kernel(*refs, W, BT, nT, has_keep):
   dx_ref[...] = acc.astype(dx_ref.dtype)
 
 
+def _bwd_fused_kernel(*refs, W, BT, nT, activation, has_b):
+  """dx, and the weight's (and bias') partial sums of one block, dpre recomputed at each shifted window: dx[t] =
+  sum_j w[j] dpre[t + s_j] with s_j = W-1-j, dpre[u] = dy[u] silu'(pre[u]), pre[u] = sum_i w[i] x[u - s_i] (+ b).
+  x's rows before the sequence come from `head` ([zeros; state; x[:BT]]), x's and dy's beyond it from the tails
+  ([x or dy of the last block; zeros]), which the last block alone reads; dy's zeros there zero those rows' dpre."""
+  if has_b:
+    x_ref, head_ref, xtail_ref, w_ref, b_ref, dy_ref, dytail_ref, dx_ref, dw_ref = refs
+  else:
+    (x_ref, head_ref, xtail_ref, w_ref, dy_ref, dytail_ref, dx_ref, dw_ref), b_ref = refs, None
+  i = pl.program_id(1)
+  ct = _ct(x_ref.dtype)
+  tiles = {}
+
+  def x_at(d):  # x's rows [i BT + d, i BT + d + BT), loaded once per offset
+    if d not in tiles:
+      if d < 0:
+        tiles[d] = _window(x_ref, head_ref, i, i == 0, i * BT + d, BT + d, BT)
+      elif d > 0:
+        tiles[d] = _window(x_ref, xtail_ref, i, i == nT - 1, i * BT + d, d, BT)
+      else:
+        tiles[d] = x_ref[pl.ds(i * BT, BT), :]
+    return tiles[d].astype(ct)
+
+  wj = [w_ref[j, :].astype(ct)[None, :] for j in range(W)]
+  acc = None
+  for s in range(W):  # dpre at rows offset by s, which dx's tap j = W-1-s reads
+    pre = None
+    for tap in range(W):
+      term = x_at(s - (W - 1) + tap) * wj[tap]
+      pre = term if pre is None else pre + term
+    if b_ref is not None:
+      pre = pre + b_ref[0, :].astype(ct)[None, :]
+    dy = (dy_ref[pl.ds(i * BT, BT), :] if s == 0 else
+          _window(dy_ref, dytail_ref, i, i == nT - 1, i * BT + s, s, BT)).astype(ct)
+    if activation == "silu":
+      sig = jax.nn.sigmoid(pre)
+      dy = dy * sig * (1.0 + pre * (1.0 - sig))
+    dpre = dy.astype(x_ref.dtype).astype(ct)  # rounded as the two kernels' dpre and `conv._conv_bwd`'s
+    if s == 0:  # the block's own rows: the weight's and bias' sums
+      for tap in range(W):
+        dw_ref[tap, :] = jnp.sum(x_at(tap - (W - 1)) * dpre, axis=0)
+      if has_b:
+        dw_ref[W, :] = jnp.sum(dpre, axis=0)
+    term = dpre * wj[W - 1 - s]
+    acc = term if acc is None else acc + term
+  dx_ref[...] = acc.astype(dx_ref.dtype)
+
+
+def _dpre_rows(x, state, w, b, dy, activation, n: int):
+  """dpre at the first n rows in XLA (the state's cotangent reads them; the fused kernel writes no dpre)."""
+  ct = _ct(x.dtype)
+  xp = jnp.concatenate([state.astype(x.dtype), x[:, :n]], axis=1).astype(ct)
+  W = w.shape[0]
+  pre = sum(xp[:, j:j + n] * w[j].astype(ct) for j in range(W))
+  if b is not None:
+    pre = pre + b.astype(ct)
+  d = dy[:, :n].astype(ct)
+  if activation == "silu":
+    sig = jax.nn.sigmoid(pre)
+    d = d * sig * (1.0 + pre * (1.0 - sig))
+  return d.astype(x.dtype).astype(ct)
+
+
+def _fused_bwd(x, state, w, b, dy, activation, interpret):
+  B, T, C = x.shape
+  W = w.shape[0]
+  BT, BC = supported(T, C, W)
+  nT = T // BT
+  col, block, weight, bias, _, _ = _specs(W, BT, BC)
+  dy = dy.astype(x.dtype)
+  zeros = jnp.zeros((B, BT, C), x.dtype)
+  ins = [x, _head(x, state, BT), jnp.concatenate([x[:, T - BT:], zeros], axis=1), w]
+  specs = [col(T), col(2 * BT), col(2 * BT), weight]
+  if b is not None:
+    ins.append(b.reshape(1, C))
+    specs.append(bias)
+  ins += [dy, jnp.concatenate([dy[:, T - BT:], zeros], axis=1)]
+  specs += [col(T), col(2 * BT)]
+  rows = W + (b is not None)
+  kernel = functools.partial(_bwd_fused_kernel, W=W, BT=BT, nT=nT, activation=activation, has_b=b is not None)
+  dx, parts = pl.pallas_call(
+      kernel, grid=(B, nT, C // BC), in_specs=specs,
+      out_specs=[block, pl.BlockSpec((None, None, rows, BC), lambda b_, i, j: (b_, i, 0, j))],
+      out_shape=[jax.ShapeDtypeStruct((B, T, C), x.dtype), jax.ShapeDtypeStruct((B, nT, rows, C), _ct(x.dtype))],
+      interpret=interpret, name="gdn_short_conv_bwd_fused", compiler_params=_params(interpret, BT, BC))(*ins)
+  sums = jnp.sum(parts, axis=(0, 1))
+  db = None if b is None else sums[W].astype(b.dtype)
+  return dx, sums[:W].astype(w.dtype), db, _dpre_rows(x, state, w, b, dy, activation, min(W - 1, T))
+
+
 def _specs(W, BT, BC):
   col = lambda rows: pl.BlockSpec((None, rows, BC), lambda b, i, j: (b, 0, j))
   block = pl.BlockSpec((None, BT, BC), lambda b, i, j: (b, i, j))
@@ -199,6 +301,22 @@ def _forward(x, state, w, b, keep, activation, interpret):
                         name="gdn_short_conv", compiler_params=_params(interpret, BT, BC))(*ins)
 
 
+def _state_ct(d32, w, keep, state):
+  """The state's cotangent from dpre's first rows d32 [B, >= W-1 or T, C] (float32): the state rows p < W-1 reach
+  outputs u = p - j >= 0 through tap j (a few rows: XLA)."""
+  B, C, W = d32.shape[0], d32.shape[2], w.shape[0]
+  rows = []
+  for p in range(W - 1):
+    r = jnp.zeros((B, C), d32.dtype)
+    for j in range(p + 1):
+      u = p - j
+      if u < d32.shape[1]:
+        term = d32[:, u] * w[j].astype(d32.dtype)
+        r = r + (term if keep is None else jnp.where(keep[:, u, j, None], term, 0.0))
+    rows.append(r)
+  return (jnp.stack(rows, axis=1) if rows else jnp.zeros((B, 0, C), d32.dtype)).astype(state.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _conv(x, state, w, b, keep, activation, interpret):
   return _forward(x, state, w, b, keep, activation, interpret)
@@ -212,6 +330,9 @@ def _conv_bwd(activation, interpret, res, dy):
   x, state, w, b, keep = res
   B, T, C = x.shape
   W = w.shape[0]
+  if FUSED_BWD and keep is None:
+    dx, dw, db, d32 = _fused_bwd(x, state, w, b, dy, activation, interpret)
+    return dx, _state_ct(d32, w, None, state), dw, db, None
   BT, BC = supported(T, C, W)
   nT = T // BT
   col, block, weight, _, _, keep_whole = _specs(W, BT, BC)
@@ -237,19 +358,9 @@ def _conv_bwd(activation, interpret, res, dy):
                       out_shape=jax.ShapeDtypeStruct((B, T, C), x.dtype), interpret=interpret,
                       name="gdn_short_conv_bwd_dx", compiler_params=_params(interpret, BT, BC))(*ins)
 
-  # The state rows p < W-1 reach outputs u = p - j >= 0 through tap j (a few rows: XLA).
   f32 = _ct(x.dtype)
   d32 = dpre.astype(f32)
-  rows = []
-  for p in range(W - 1):
-    r = jnp.zeros((B, C), f32)
-    for j in range(p + 1):
-      u = p - j
-      if u < T:
-        term = d32[:, u] * w[j].astype(f32)
-        r = r + (term if keep is None else jnp.where(keep[:, u, j, None], term, 0.0))
-    rows.append(r)
-  dstate = (jnp.stack(rows, axis=1) if rows else jnp.zeros((B, 0, C), f32)).astype(state.dtype)
+  dstate = _state_ct(d32, w, keep, state)
   dw = jnp.sum(parts, axis=(0, 1)).astype(w.dtype)
   db = None if b is None else jnp.sum(d32, axis=(0, 1)).astype(b.dtype)
   dkeep = None if keep is None else np.zeros(keep.shape, jax.dtypes.float0)
