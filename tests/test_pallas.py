@@ -29,13 +29,14 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 @functools.lru_cache(maxsize=None)
-def _fwd_bwd(present, chunk_size, block_v, interpret, fused_output=False, bwd_states=None, narrow=None):
+def _fwd_bwd(present, chunk_size, block_v, interpret, fused_output=False, bwd_states=None, narrow=None,
+             from_output=None):
   """Jitted forward + VJP with fixed cotangents. With block_v and interpret None, through the public
   `gated_delta_rule(method="pallas")`; else through `pallas_chunk.pallas`, which takes them. fused_output:
   `pallas_chunk.FUSED_OUTPUT` as the caller set it (the switch is read at trace time, so it keys the cache); when
   true, the forward-only (o, S) come too, the only call that runs the fused output kernel. bwd_states:
   `pallas_chunk.BWD_STATES` as the caller set it (None: left at its default), likewise read at trace time (a key
-  of the cache only); narrow: `pallas_chunk.NARROW_BLOCKS`, the same way."""
+  of the cache only); narrow and from_output: `pallas_chunk.NARROW_BLOCKS` and `BWD_FROM_OUTPUT`, the same way."""
 
   def f(diff, segment_ids, co):
     def op(diff):
@@ -63,7 +64,8 @@ def run_pallas(x, *, chunk_size=8, block_v=None, interpret=None, seed=1):
   diff, seg, co = vjp_inputs(x, seed)
   fused = pallas_chunk.FUSED_OUTPUT
   o, S, grads, *forward_only = _fwd_bwd(tuple(sorted(diff)), chunk_size, block_v, interpret, fused,
-                                        pallas_chunk.BWD_STATES, pallas_chunk.NARROW_BLOCKS)(diff, seg, co)
+                                        pallas_chunk.BWD_STATES, pallas_chunk.NARROW_BLOCKS,
+                                        pallas_chunk.BWD_FROM_OUTPUT)(diff, seg, co)
   f64 = lambda o, S: (np.asarray(o, np.float64), np.asarray(S, np.float64),
                       {n: np.asarray(g, np.float64) for n, g in grads.items()})
   return (f64(o, S), f64(*forward_only[0])) if fused else f64(o, S)
@@ -167,6 +169,33 @@ def test_fused_output_bfloat16_against_oracle(monkeypatch, g_kind, beta_kind):
   monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", True)
   x_bf, x_ref = bfloat16_inputs(make_inputs(23, 2, 40, 2, 4, 16, 16, g_kind, beta_kind, segments=True))
   _assert_fused_close(x_bf, oracle(x_ref), 2e-2, f"bf16 fused output g={g_kind} beta={beta_kind}")
+
+
+@pytest.mark.parametrize("g_kind, beta_kind, C, block_v", [CASES[1], CASES[3]])
+def test_backward_from_the_output_against_oracle(monkeypatch, g_kind, beta_kind, C, block_v):
+  """BWD_FROM_OUTPUT: the dS kernel forms q_dec^T dO itself (two value blocks here), with and without the delta
+  rule, float32 and bfloat16; the kernel then reads q_dec and dO, and no [.., N, Kp, Vp] cotangent of S_in."""
+  monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", True)
+  monkeypatch.setattr(pallas_chunk, "BWD_FROM_OUTPUT", True)
+  x = make_inputs(21, 2, 35, 2, 4, 5, 19, g_kind, beta_kind, segments=True)
+  _assert_fused_close(x, oracle(x), 1e-5, f"from output g={g_kind} beta={beta_kind}", chunk_size=C,
+                      block_v=block_v)
+  x_bf, x_ref = bfloat16_inputs(make_inputs(23, 2, 40, 2, 2, 16, 32, g_kind, beta_kind))
+  _assert_fused_close(x_bf, oracle(x_ref), 2e-2, f"bf16 from output g={g_kind}", chunk_size=C, block_v=16)
+  diff = {n: jnp.asarray(x_bf[n]) for n in ("q", "k", "v", "g", "beta") if x_bf.get(n) is not None}
+
+  def loss(diff):
+    o, _ = ops.gated_delta_rule(diff["q"], diff["k"], diff["v"], diff["g"], diff.get("beta"), method="pallas",
+                                chunk_size=32)
+    return jnp.sum(o.astype(jnp.float32))
+
+  for flag in (False, True):
+    monkeypatch.setattr(pallas_chunk, "BWD_FROM_OUTPUT", flag)
+    (call,) = [e for e in equations(jax.make_jaxpr(jax.grad(loss))(diff))
+               if e.params["name"] == "gdn_chunk_dstates_bwd"]
+    per_chunk = [tuple(v.aval.shape[-2:]) for v in call.invars if v.aval.ndim == 4]  # [L, N, ., .]
+    assert ((16, 32) in per_chunk) != flag  # dS_in [.., Kp, Vp] read only without the switch (K 16, V 32, C 32)
+    assert per_chunk.count((32, 16)) == 1 + (beta_kind != "none") + flag  # k_end, W, and q_dec with it
 
 
 def equations(jaxpr, primitive="pallas_call"):
@@ -354,9 +383,12 @@ def test_switch_compiled_on_gpu(monkeypatch, switch, dtype, tol):
 @pytest.mark.parametrize("dtype, g_kind, beta_kind, tol", [("float32", "head", "head", 1e-4),
                                                            ("bfloat16", "head", "head", 5e-2),
                                                            ("float32", "channel", "none", 1e-4)])
-def test_fused_output_compiled_on_gpu(monkeypatch, dtype, g_kind, beta_kind, tol):
-  """FUSED_OUTPUT with the compiled kernels at test_compiled_on_gpu's shape: forward only and differentiated."""
+@pytest.mark.parametrize("from_output", [False, True])
+def test_fused_output_compiled_on_gpu(monkeypatch, dtype, g_kind, beta_kind, tol, from_output):
+  """FUSED_OUTPUT with the compiled kernels at test_compiled_on_gpu's shape: forward only and differentiated
+  (the backward's q_dec^T dO in XLA, or with BWD_FROM_OUTPUT in the dS kernel)."""
   monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", True)
+  monkeypatch.setattr(pallas_chunk, "BWD_FROM_OUTPUT", from_output)
   x, x_ref = _gpu_inputs(29, dtype, g_kind, beta_kind)
   _assert_fused_close(x, oracle(x_ref), tol, f"gpu fused output {dtype} g={g_kind} beta={beta_kind}", chunk_size=64,
                       interpret=False)
@@ -398,6 +430,17 @@ def _sharded_child():
       errs.update({f"d{n}": rel(np.asarray(grads[n]), np.asarray(g_ref[n])) for n in grads})
       out.append({"case": f"BWD_STATES={not default}, g={g_kind} beta={beta_kind}", "errors": errs,
                   "all_gathers": hlo.count("all-gather"), "o_stays_sharded": o.sharding.is_equivalent_to(rows, o.ndim)})
+      # Differentiated with FUSED_OUTPUT and BWD_FROM_OUTPUT: the dS kernel's op with q_dec and dO as operands.
+      before = pallas_chunk.FUSED_OUTPUT, pallas_chunk.BWD_FROM_OUTPUT
+      pallas_chunk.FUSED_OUTPUT, pallas_chunk.BWD_FROM_OUTPUT = True, True
+      fn = _fwd_bwd(tuple(sorted(diff)), 8, None, None, True, default, None, True)
+      hlo = fn.lower(*args).compile().as_text()
+      o, S, grads, _ = fn(*args)
+      pallas_chunk.FUSED_OUTPUT, pallas_chunk.BWD_FROM_OUTPUT = before
+      errs = {"o": rel(np.asarray(o), np.asarray(o_ref))}
+      errs.update({f"d{n}": rel(np.asarray(grads[n]), np.asarray(g_ref[n])) for n in grads})
+      out.append({"case": f"BWD_FROM_OUTPUT, g={g_kind} beta={beta_kind}", "errors": errs,
+                  "all_gathers": hlo.count("all-gather"), "o_stays_sharded": o.sharding.is_equivalent_to(rows, o.ndim)})
     # The forward-only call with FUSED_OUTPUT (the fused kernel's op) against the same one-device results.
     pallas_chunk.FUSED_OUTPUT = True
     fwd = jax.jit(lambda d, seg: ops.gated_delta_rule(d["q"], d["k"], d["v"], d.get("g"), d.get("beta"),
@@ -417,9 +460,10 @@ def _sharded_child():
 def test_batch_sharded_runs_per_device():
   """With the batch split over an 8-device ("data", "fsdp") mesh, outputs, final state and all gradients equal
   one device's, and the compiled module gathers nothing: each device runs the kernels on its own rows. The same
-  for the forward-only call with FUSED_OUTPUT (the fused output kernel's op) and for BWD_STATES' backward."""
+  for the forward-only call with FUSED_OUTPUT (the fused output kernel's op), for BWD_STATES' backward and for
+  BWD_FROM_OUTPUT's."""
   results = run_child(__file__)
-  assert len(results) == 2 * len(SHARDED_CASES) + 1
+  assert len(results) == 2 * len(SHARDED_CASES) + 2
   for r in results:
     bad = {n: e for n, e in r["errors"].items() if not e <= 1e-5}
     assert not bad, f"{r['case']}: relative error above 1e-5: {bad}"

@@ -94,6 +94,12 @@ SUB = 16  # rows of a block of the per-value-channel solve (`_channel_solve`): T
 # chunk. On the H200 (bfloat16) True took the op's forward+backward to 0.92-0.96x at the five benchmark shapes and
 # the 340M model's step from 533.6 to 510.0 ms and 39.4 to 37.2 GiB (docs/benchmarks.md).
 BWD_STATES = True
+# With BWD_STATES and the output computed by `output_pass` (FUSED_OUTPUT) in a differentiated call: True, the
+# backward kernel forms each chunk's share of the state cotangent from the output, q_dec^T dO [Kp, BV], itself from
+# q_dec and dO, as fla's backward state kernel does, so that XLA never writes that cotangent dS_in
+# [.., N, Kp, Vp] (at K = 256, V = 512 a state-sized array per chunk, as large as S_in); False, XLA's VJP of the
+# output product writes it and the kernel reads it. Read at trace time. Off until timed on the card.
+BWD_FROM_OUTPUT = False
 # Launch settings for keys wider than 128 (the paper models' head dim 256): True, value blocks of 32 and eight
 # warps for the state-pass kernels (two pipeline stages on bfloat16 operands for the forward and dS ones), and eight
 # warps for the fused chunk-local kernel. Offline for sm_90 (Triton 3.9, ptxas -v, bfloat16, K = 256, V = 512;
@@ -135,6 +141,7 @@ class Config:
   out_prec: Optional[jax.lax.Precision] = None  # the caller's precision: the XLA output's in a differentiated call
   channel: bool = False  # per-value-channel beta: the W slot holds k_dec, and A and beta come too (`_channel_solve`)
   states_bwd: bool = False  # BWD_STATES: the backward kernel writes dS per chunk; dW, dk_end, ddecay in XLA
+  from_output: bool = False  # BWD_FROM_OUTPUT: that kernel forms q_dec^T dO itself (a differentiated output pass)
   xla_prec: Optional[jax.lax.Precision] = None  # the caller's precision, for those products in XLA
   wide: bool = False  # WIDE_KEYS at Kp > 128: eight warps where a state-sized block lives in registers
 
@@ -300,10 +307,14 @@ def _backward_kernel(*refs, cfg: Config, N: int):
 
 def _backward_states_kernel(*refs, cfg: Config, N: int):
   """BWD_STATES' backward: the chunks in reverse, carrying only dS. Refs: W (delta rule only), k_end, decay,
-  dS_in, dU, dS_T; results dU0 (dU + k_end dS), dS (the cotangent of the state leaving each chunk) and dS0."""
+  dS_in (with cfg.from_output q_dec and dO in its place: dS_in = q_dec^T dO per chunk), dU, dS_T; results dU0
+  (dU + k_end dS), dS (the cotangent of the state leaving each chunk) and dS0."""
   refs = list(refs)
   take = lambda present=True: refs.pop(0) if present else None
-  w_ref, kend_ref, decay_ref, ds_in_ref, du_ref, ds_t_ref = take(cfg.delta), take(), take(), take(), take(), take()
+  w_ref, kend_ref, decay_ref = take(cfg.delta), take(), take()
+  ds_in_ref = take(not cfg.from_output)
+  qdec_ref, do_ref = take(cfg.from_output), take(cfg.from_output)
+  du_ref, ds_t_ref = take(), take()
   du0_ref, ds_ref, ds0_ref = take(), take(), take()
   odt = jnp.dtype(cfg.operands)
   f32 = jnp.float32
@@ -314,7 +325,11 @@ def _backward_states_kernel(*refs, cfg: Config, N: int):
     ds_ref[n] = dS_op.astype(ds_ref.dtype)
     dU = du_ref[n].astype(f32) + _dot(kend_ref[n], dS_op, False, False, cfg.prec)  # [Cp, BV]
     du0_ref[n] = dU.astype(du0_ref.dtype)
-    dS_prev = decay_ref[n].astype(f32)[:, None] * dS + ds_in_ref[n].astype(f32)
+    if cfg.from_output:  # q_dec^T dO [Kp, BV]
+      ds_in = _dot(qdec_ref[n], do_ref[n].astype(odt), True, False, cfg.prec)
+    else:
+      ds_in = ds_in_ref[n].astype(f32)
+    dS_prev = decay_ref[n].astype(f32)[:, None] * dS + ds_in
     if cfg.delta:
       dS_prev = dS_prev - _dot(w_ref[n], dU.astype(odt), True, False, cfg.prec)  # W^T dU
     return dS_prev
@@ -425,12 +440,13 @@ def _plain_stages(cfg: Config, Cp: int, Kp: int, BV: int) -> int:
 
 def _backward_states_call(cfg: Config, W, k_end, decay, dS_in, dU, dS_T):
   """BWD_STATES' backward kernel on operands [B, HV, ...]: (dU0, dS, dS0) [B, HV, ...], dS [.., N, Kp, Vp] in
-  the operand dtype."""
+  the operand dtype. With cfg.from_output dS_in is the pair (q_dec [.., N, Cp, Kp], dO [.., N, Cp, Vp])."""
   B, HV, N, Cp, Vp = dU.shape
   L, Kp, BV = B * HV, k_end.shape[-1], cfg.block_v
   per_v, per_k, dec, state, _, _ = _specs(L, N, Cp, Kp, BV)
-  ins = ([W] if cfg.delta else []) + [k_end, decay, dS_in, dU, dS_T]
-  in_specs = ([per_k] if cfg.delta else []) + [per_k, dec, per_v(Kp), per_v(Cp), state]
+  ds_in, ds_in_specs = (list(dS_in), [per_k, per_v(Cp)]) if cfg.from_output else ([dS_in], [per_v(Kp)])
+  ins = ([W] if cfg.delta else []) + [k_end, decay] + ds_in + [dU, dS_T]
+  in_specs = ([per_k] if cfg.delta else []) + [per_k, dec] + ds_in_specs + [per_v(Cp), state]
   outs = [jax.ShapeDtypeStruct((L, N, Cp, Vp), jnp.float32),
           jax.ShapeDtypeStruct((L, N, Kp, Vp), jnp.dtype(cfg.operands)), jax.ShapeDtypeStruct((L, Kp, Vp), jnp.float32)]
   out_specs = [per_v(Cp), per_v(Kp), state]
@@ -492,9 +508,12 @@ _BACKWARD = {
                                                   "n c v,n c k,n c k,n k,n c i,k v,n c v")),
 }
 
-_BACKWARD_STATES = {
-    True: _per_rows(_backward_states_call, _rule("n c k,n c k,n k,n k v,n c v,k v", "n c v,n k v,k v")),
-    False: _per_rows(_backward_states_call, _rule("n c k,n k,n k v,n c v,k v", "n c v,n k v,k v")),
+_BACKWARD_STATES = {  # by (delta rule, BWD_FROM_OUTPUT)
+    (True, False): _per_rows(_backward_states_call, _rule("n c k,n c k,n k,n k v,n c v,k v", "n c v,n k v,k v")),
+    (False, False): _per_rows(_backward_states_call, _rule("n c k,n k,n k v,n c v,k v", "n c v,n k v,k v")),
+    (True, True): _per_rows(_backward_states_call,
+                            _rule("n c k,n c k,n k,n c k,n c v,n c v,k v", "n c v,n k v,k v")),
+    (False, True): _per_rows(_backward_states_call, _rule("n c k,n k,n c k,n c v,n c v,k v", "n c v,n k v,k v")),
 }
 
 
@@ -512,7 +531,8 @@ def _backward(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0=None, A
   """(dU0, dW, dk_end, ddecay, dS0, dA, dbeta): dW None without the delta rule, dA and dbeta None but for
   per-value-channel beta."""
   if cfg.states_bwd and not cfg.channel:
-    dU0, dS, dS0 = batched_rows(_BACKWARD_STATES[cfg.delta], cfg, W, k_end, decay, dS_in, dU, dS_T)
+    dU0, dS, dS0 = batched_rows(_BACKWARD_STATES[cfg.delta, cfg.from_output], cfg, W, k_end, decay, dS_in, dU,
+                                dS_T)
     dW, dk_end, ddecay = _from_states(cfg, S_in, U, dU0, dS)
     return dU0, dW, dk_end, ddecay, dS0, None, None
   res = batched_rows(_BACKWARD[cfg.delta, cfg.channel], cfg, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0, A,
@@ -568,13 +588,15 @@ def _output_pass_fwd(cfg, U0, W, k_end, decay, S0, q_dec, P, A=None, beta=None):
   states = dataclasses.replace(cfg, output=False)
   (S_in, U, S_T), res = _state_pass_fwd(states, U0, W, k_end, decay, S0, A, beta)
   O, out_vjp = jax.vjp(functools.partial(_output, cfg), q_dec, P, S_in, U)
-  return (O, S_T), (res, out_vjp)
+  return (O, S_T), (res, out_vjp, q_dec if cfg.from_output else None)
 
 
 def _output_pass_bwd(cfg, res, cts):
-  res, out_vjp = res
+  res, out_vjp, q_dec = res
   dO, dS_T = cts
-  dq_dec, dP, dS_in, dU = out_vjp(dO)
+  dq_dec, dP, dS_in, dU = out_vjp(dO)  # with from_output dS_in goes unused, and XLA drops it
+  if cfg.from_output:  # the backward kernel forms q_dec^T dO itself
+    dS_in = (q_dec, dO)
   states = dataclasses.replace(cfg, output=False)
   dU0, dW, dk_end, ddecay, dS0, dA, dbeta = _state_pass_bwd(states, res, (dS_in, dU, dS_T))
   return dU0, dW, dk_end, ddecay, dS0, dq_dec, dP, dA, dbeta
@@ -637,6 +659,7 @@ def _operands(loc: intra_chunk.Local, S0, prec, block_v: int, interpret: Optiona
   cfg = Config(prec=kernel_precision(prec, interpret), block_v=BV, interpret=interpret, delta=delta,
                operands=operands, output=output is not None, out_dtype=jnp.dtype(output or jnp.float32).name,
                out_prec=prec if output is not None else None, channel=channel, states_bwd=BWD_STATES and not channel,
+               from_output=bool(BWD_FROM_OUTPUT) and BWD_STATES and not channel and output is not None,
                xla_prec=prec if BWD_STATES and not channel else None, wide=wide)
   args = (op(loc.U, Cp, Vp), op(loc.k_dec if channel else loc.W, Cp, Kp) if delta else None, op(loc.k_end, Cp, Kp),
           f32(decay, Kp), f32(S0, Kp, Vp))
