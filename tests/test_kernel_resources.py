@@ -32,8 +32,8 @@ def test_decode_kernel_at_wide_keys_does_not_spill():
 
 
 def test_conv_kernels_compile_for_sm90_without_spilling():
-  """The short conv's three Triton kernels (gdn.layers.conv_kernel) at [64, 128] blocks and 8 warps: they lower
-  (row windows of refs, the first and last blocks' branches) and none spills."""
+  """The short conv's three Triton kernels (gdn.layers.conv_kernel) at their first-choice [64, 64] blocks and 4
+  warps: they lower (row windows of refs, the first and last blocks' branches) and none spills."""
   from experiments import kernel_resources
 
   rows = kernel_resources.main(["--batch", "2", "--length", "256", "--conv-channels", "256"])
@@ -41,7 +41,7 @@ def test_conv_kernels_compile_for_sm90_without_spilling():
       ("forward", "gdn_short_conv"), ("fwd+bwd", "gdn_short_conv"), ("fwd+bwd", "gdn_short_conv_bwd_pre"),
       ("fwd+bwd", "gdn_short_conv_bwd_dx")]
   for r in rows:
-    assert r["grid"] == (2, 4, 2) and r["warps"] == 8 and r["spill_stores"] == 0 and r["registers"] <= 255, r
+    assert r["grid"] == (2, 4, 4) and r["warps"] == 4 and r["spill_stores"] == 0 and r["registers"] <= 255, r
 
 
 def test_matvec_kernel_compiles_for_sm90_without_spilling():

@@ -59,7 +59,7 @@ FUSED_BWD = False
 # Warps per program: one per 1,024 elements of the block, at most 8 (4 at [64, 64]). At [64, 128] blocks, offline
 # for sm_90 (Triton 3.9, ptxas -v, bfloat16, (8, 8192, 6144); `gdn.bench.kernel_resources`) 8 warps need 99-121
 # registers a thread and spill nothing, where 4 warps need 255 and spill 92-96 bytes in the forward and dx kernels;
-# [64, 64] at 4 warps holds as many elements a thread as [64, 128] at 8.
+# at [64, 64] and 4 warps (as many elements a thread as [64, 128] at 8) they need 96-119 and spill nothing.
 ELEMENTS_PER_WARP = 1024
 
 
