@@ -30,13 +30,14 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 
 @functools.lru_cache(maxsize=None)
 def _fwd_bwd(present, chunk_size, block_v, interpret, fused_output=False, bwd_states=None, narrow=None,
-             from_output=None):
+             from_output=None, products=None):
   """Jitted forward + VJP with fixed cotangents. With block_v and interpret None, through the public
   `gated_delta_rule(method="pallas")`; else through `pallas_chunk.pallas`, which takes them. fused_output:
   `pallas_chunk.FUSED_OUTPUT` as the caller set it (the switch is read at trace time, so it keys the cache); when
   true, the forward-only (o, S) come too, the only call that runs the fused output kernel. bwd_states:
   `pallas_chunk.BWD_STATES` as the caller set it (None: left at its default), likewise read at trace time (a key
-  of the cache only); narrow and from_output: `pallas_chunk.NARROW_BLOCKS` and `BWD_FROM_OUTPUT`, the same way."""
+  of the cache only); narrow, from_output and products: `pallas_chunk.NARROW_BLOCKS`, `BWD_FROM_OUTPUT` and
+  (`BWD_PRODUCTS`, `PRODUCTS_BLOCK_K`), the same way."""
 
   def f(diff, segment_ids, co):
     def op(diff):
@@ -65,7 +66,8 @@ def run_pallas(x, *, chunk_size=8, block_v=None, interpret=None, seed=1):
   fused = pallas_chunk.FUSED_OUTPUT
   o, S, grads, *forward_only = _fwd_bwd(tuple(sorted(diff)), chunk_size, block_v, interpret, fused,
                                         pallas_chunk.BWD_STATES, pallas_chunk.NARROW_BLOCKS,
-                                        pallas_chunk.BWD_FROM_OUTPUT)(diff, seg, co)
+                                        pallas_chunk.BWD_FROM_OUTPUT,
+                                        (pallas_chunk.BWD_PRODUCTS, pallas_chunk.PRODUCTS_BLOCK_K))(diff, seg, co)
   f64 = lambda o, S: (np.asarray(o, np.float64), np.asarray(S, np.float64),
                       {n: np.asarray(g, np.float64) for n, g in grads.items()})
   return (f64(o, S), f64(*forward_only[0])) if fused else f64(o, S)
@@ -171,6 +173,19 @@ def test_fused_output_bfloat16_against_oracle(monkeypatch, g_kind, beta_kind):
   _assert_fused_close(x_bf, oracle(x_ref), 2e-2, f"bf16 fused output g={g_kind} beta={beta_kind}")
 
 
+def _grad_jaxpr(x):
+  """The jaxpr of the gradient of sum(o) through the public `method="pallas"` (chunk 32) at x's inputs, traced
+  with the module switches as they are set now."""
+  diff = {n: jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta") if x.get(n) is not None}
+
+  def loss(diff):
+    o, _ = ops.gated_delta_rule(diff["q"], diff["k"], diff["v"], diff["g"], diff.get("beta"), method="pallas",
+                                chunk_size=32)
+    return jnp.sum(o.astype(jnp.float32))
+
+  return jax.make_jaxpr(jax.grad(loss))(diff)
+
+
 @pytest.mark.parametrize("g_kind, beta_kind, C, block_v", [CASES[1], CASES[3]])
 def test_backward_from_the_output_against_oracle(monkeypatch, g_kind, beta_kind, C, block_v):
   """BWD_FROM_OUTPUT: the dS kernel forms q_dec^T dO itself (two value blocks here), with and without the delta
@@ -182,20 +197,43 @@ def test_backward_from_the_output_against_oracle(monkeypatch, g_kind, beta_kind,
                       block_v=block_v)
   x_bf, x_ref = bfloat16_inputs(make_inputs(23, 2, 40, 2, 2, 16, 32, g_kind, beta_kind))
   _assert_fused_close(x_bf, oracle(x_ref), 2e-2, f"bf16 from output g={g_kind}", chunk_size=C, block_v=16)
-  diff = {n: jnp.asarray(x_bf[n]) for n in ("q", "k", "v", "g", "beta") if x_bf.get(n) is not None}
-
-  def loss(diff):
-    o, _ = ops.gated_delta_rule(diff["q"], diff["k"], diff["v"], diff["g"], diff.get("beta"), method="pallas",
-                                chunk_size=32)
-    return jnp.sum(o.astype(jnp.float32))
 
   for flag in (False, True):
     monkeypatch.setattr(pallas_chunk, "BWD_FROM_OUTPUT", flag)
-    (call,) = [e for e in equations(jax.make_jaxpr(jax.grad(loss))(diff))
-               if e.params["name"] == "gdn_chunk_dstates_bwd"]
+    (call,) = [e for e in equations(_grad_jaxpr(x_bf)) if e.params["name"] == "gdn_chunk_dstates_bwd"]
     per_chunk = [tuple(v.aval.shape[-2:]) for v in call.invars if v.aval.ndim == 4]  # [L, N, ., .]
     assert ((16, 32) in per_chunk) != flag  # dS_in [.., Kp, Vp] read only without the switch (K 16, V 32, C 32)
     assert per_chunk.count((32, 16)) == 1 + (beta_kind != "none") + flag  # k_end, W, and q_dec with it
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("g_kind, beta_kind, C, block_v", [CASES[1], CASES[3]])
+def test_backward_products_kernel_against_oracle(monkeypatch, fused, g_kind, beta_kind, C, block_v):
+  """BWD_PRODUCTS: dW, dk_end, ddecay (and, differentiating the fused output pass, dq_dec) from one kernel over
+  rows, chunks and key blocks (K 20 in two blocks of 16, V 19 in two value blocks), with and without the delta
+  rule, float32 and bfloat16, against the float64 recurrence; then the kernel's operands and XLA's dots."""
+  monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", fused)
+  monkeypatch.setattr(pallas_chunk, "BWD_FROM_OUTPUT", fused)
+  monkeypatch.setattr(pallas_chunk, "BWD_PRODUCTS", True)
+  monkeypatch.setattr(pallas_chunk, "PRODUCTS_BLOCK_K", 16)
+  check = _assert_fused_close if fused else (lambda x, want, tol, what, **kw: assert_close(run_pallas(x, **kw), want,
+                                                                                          tol, what))
+  x = make_inputs(21, 2, 35, 2, 4, 20, 19, g_kind, beta_kind, segments=True)
+  check(x, oracle(x), 1e-5, f"products fused={fused} g={g_kind} beta={beta_kind}", chunk_size=C, block_v=block_v)
+  x_bf, x_ref = bfloat16_inputs(make_inputs(23, 2, 40, 2, 2, 16, 32, g_kind, beta_kind))
+  check(x_bf, oracle(x_ref), 2e-2, f"bf16 products fused={fused} g={g_kind}", chunk_size=C, block_v=16)
+
+  dots = {}
+  for flag in (False, True):
+    monkeypatch.setattr(pallas_chunk, "BWD_PRODUCTS", flag)
+    jaxpr = _grad_jaxpr(x_bf)
+    calls = [e for e in equations(jaxpr) if e.params["name"] == "gdn_chunk_products_bwd"]
+    dots[flag] = len(equations(jaxpr, "dot_general"))
+    assert len(calls) == flag
+  (call,) = calls  # S_in and dS [L, N, Kp, Vp] (K 16, V 32), U, dU0 (delta rule) and dO (fused) [L, N, Cp, Vp]
+  assert [tuple(v.aval.shape[-2:]) for v in call.invars] == [(16, 32)] * 2 + [(32, 32)] * (
+      1 + (beta_kind != "none") + fused)
+  assert dots[False] - dots[True] == 1 + (beta_kind != "none")  # dk_end's and dW's dots (dq_dec's: XLA drops it)
 
 
 def equations(jaxpr, primitive="pallas_call"):
@@ -394,6 +432,24 @@ def test_fused_output_compiled_on_gpu(monkeypatch, dtype, g_kind, beta_kind, tol
                       interpret=False)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, g_kind, beta_kind, tol", [("float32", "head", "head", 1e-4),
+                                                           ("bfloat16", "head", "head", 5e-2),
+                                                           ("float32", "channel", "none", 1e-4)])
+def test_products_kernel_compiled_on_gpu(monkeypatch, dtype, g_kind, beta_kind, tol):
+  """BWD_PRODUCTS with the compiled kernels at test_compiled_on_gpu's shape, differentiating the fused output pass
+  (dq_dec in the kernel too) with BWD_FROM_OUTPUT, and the plain state pass."""
+  monkeypatch.setattr(pallas_chunk, "BWD_PRODUCTS", True)
+  monkeypatch.setattr(pallas_chunk, "BWD_FROM_OUTPUT", True)
+  x, x_ref = _gpu_inputs(29, dtype, g_kind, beta_kind)
+  want = oracle(x_ref)
+  monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", True)
+  _assert_fused_close(x, want, tol, f"gpu products {dtype} g={g_kind} beta={beta_kind}", chunk_size=64,
+                      interpret=False)
+  monkeypatch.setattr(pallas_chunk, "FUSED_OUTPUT", False)
+  assert_close(run_pallas(x, chunk_size=64, interpret=False), want, tol, f"gpu products, state pass, {dtype}")
+
+
 # (g, beta): the state pass with W, without it and with the per-value-channel solve, so every operand list of the
 # kernel ops is partitioned.
 SHARDED_CASES = [("head", "head"), ("channel", "none"), ("head", "channel")]
@@ -441,6 +497,17 @@ def _sharded_child():
       errs.update({f"d{n}": rel(np.asarray(grads[n]), np.asarray(g_ref[n])) for n in grads})
       out.append({"case": f"BWD_FROM_OUTPUT, g={g_kind} beta={beta_kind}", "errors": errs,
                   "all_gathers": hlo.count("all-gather"), "o_stays_sharded": o.sharding.is_equivalent_to(rows, o.ndim)})
+      # And with BWD_PRODUCTS: the products kernel's op (dq_dec included).
+      before = pallas_chunk.FUSED_OUTPUT, pallas_chunk.BWD_FROM_OUTPUT, pallas_chunk.BWD_PRODUCTS
+      pallas_chunk.FUSED_OUTPUT, pallas_chunk.BWD_FROM_OUTPUT, pallas_chunk.BWD_PRODUCTS = True, True, True
+      fn = _fwd_bwd(tuple(sorted(diff)), 8, None, None, True, default, None, True, (True, 64))
+      hlo = fn.lower(*args).compile().as_text()
+      o, S, grads, _ = fn(*args)
+      pallas_chunk.FUSED_OUTPUT, pallas_chunk.BWD_FROM_OUTPUT, pallas_chunk.BWD_PRODUCTS = before
+      errs = {"o": rel(np.asarray(o), np.asarray(o_ref))}
+      errs.update({f"d{n}": rel(np.asarray(grads[n]), np.asarray(g_ref[n])) for n in grads})
+      out.append({"case": f"BWD_PRODUCTS, g={g_kind} beta={beta_kind}", "errors": errs,
+                  "all_gathers": hlo.count("all-gather"), "o_stays_sharded": o.sharding.is_equivalent_to(rows, o.ndim)})
     # The forward-only call with FUSED_OUTPUT (the fused kernel's op) against the same one-device results.
     pallas_chunk.FUSED_OUTPUT = True
     fwd = jax.jit(lambda d, seg: ops.gated_delta_rule(d["q"], d["k"], d["v"], d.get("g"), d.get("beta"),
@@ -460,10 +527,10 @@ def _sharded_child():
 def test_batch_sharded_runs_per_device():
   """With the batch split over an 8-device ("data", "fsdp") mesh, outputs, final state and all gradients equal
   one device's, and the compiled module gathers nothing: each device runs the kernels on its own rows. The same
-  for the forward-only call with FUSED_OUTPUT (the fused output kernel's op), for BWD_STATES' backward and for
-  BWD_FROM_OUTPUT's."""
+  for the forward-only call with FUSED_OUTPUT (the fused output kernel's op), for BWD_STATES' backward, for
+  BWD_FROM_OUTPUT's and for BWD_PRODUCTS' kernel."""
   results = run_child(__file__)
-  assert len(results) == 2 * len(SHARDED_CASES) + 2
+  assert len(results) == 2 * len(SHARDED_CASES) + 3
   for r in results:
     bad = {n: e for n, e in r["errors"].items() if not e <= 1e-5}
     assert not bad, f"{r['case']}: relative error above 1e-5: {bad}"
@@ -475,11 +542,13 @@ if __name__ == "__main__":
   _sharded_child()
 
 
-@pytest.mark.parametrize("beta_kind", ["head", "channel"])
-def test_vmap_folds_the_mapped_axis_into_the_batch(beta_kind):
+@pytest.mark.parametrize("beta_kind, products", [("head", False), ("channel", False), ("head", True)])
+def test_vmap_folds_the_mapped_axis_into_the_batch(monkeypatch, beta_kind, products):
   """Under `jax.vmap` (sweep cells stacked by `gdn.train.train_stacked`) the kernels' `custom_partitioning` ops,
   which have no batching rule of their own, fold the mapped axis into the batch: the vmapped forward and
-  gradients equal each member's own call. The initial state is left unmapped (broadcast by the rule)."""
+  gradients equal each member's own call. The initial state is left unmapped (broadcast by the rule). products:
+  with BWD_PRODUCTS' kernel in the backward."""
+  monkeypatch.setattr(pallas_chunk, "BWD_PRODUCTS", products)
   xs = [make_inputs(s, 1, 20, 1, 2, 8, 8, "head", beta_kind, segments=True) for s in (31, 32)]
   names = ("q", "k", "v", "g", "beta")
   S0, seg = jnp.asarray(xs[0]["initial_state"]), jnp.asarray(xs[0]["segment_ids"])

@@ -100,6 +100,15 @@ BWD_STATES = True
 # [.., N, Kp, Vp] (at K = 256, V = 512 a state-sized array per chunk, as large as S_in); False, XLA's VJP of the
 # output product writes it and the kernel reads it. Read at trace time. Off until timed on the card.
 BWD_FROM_OUTPUT = False
+# With BWD_STATES: True, the products of the per-chunk states with the backward's cotangents, dW = -dU S_in^T,
+# dk_end = U dS^T, ddecay = sum_v S_in * dS and, in a differentiated output pass, dq_dec = dO S_in^T, as one Pallas
+# kernel parallel over rows, chunks and blocks of PRODUCTS_BLOCK_K keys (fla's chunk_bwd_dqkwg): it reads S_in and
+# dS once per chunk, where XLA's matmuls and reduction read S_in three times and dS twice (at K = 256, V = 512 each
+# read is a state-sized array per chunk). False, those products in XLA (`_from_states`, the output's VJP). Read at
+# trace time. Off until timed on the card.
+BWD_PRODUCTS = False
+PRODUCTS_BLOCK_K = 64  # key rows per program of that kernel (at most the padded K)
+PRODUCTS_NUM_WARPS = 8  # and its warps (offline for sm_90, 64 keys: 134-138 registers, no spill; four warps spill)
 # Launch settings for keys wider than 128 (the paper models' head dim 256): True, value blocks of 32 and eight
 # warps for the state-pass kernels (two pipeline stages on bfloat16 operands for the forward and dS ones), and eight
 # warps for the fused chunk-local kernel. Offline for sm_90 (Triton 3.9, ptxas -v, bfloat16, K = 256, V = 512;
@@ -144,6 +153,9 @@ class Config:
   from_output: bool = False  # BWD_FROM_OUTPUT: that kernel forms q_dec^T dO itself (a differentiated output pass)
   xla_prec: Optional[jax.lax.Precision] = None  # the caller's precision, for those products in XLA
   wide: bool = False  # WIDE_KEYS at Kp > 128: eight warps where a state-sized block lives in registers
+  products: bool = False  # BWD_PRODUCTS: dW, dk_end, ddecay (and dq_dec) from S_in and dS in one kernel
+  products_block_k: int = 64  # PRODUCTS_BLOCK_K, at most Kp
+  products_warps: int = 8  # PRODUCTS_NUM_WARPS
 
 
 def _dot(a, b, ta: bool, tb: bool, prec):
@@ -469,6 +481,81 @@ def _from_states(cfg: Config, S_in, U, dU, dS):
   return dW, mm(U, dS), ddecay
 
 
+def _products_kernel(*refs, cfg: Config, NV: int, BV: int, with_q: bool):
+  """BWD_PRODUCTS: one chunk's products with its states for a block of BK key rows, the value channels in blocks of
+  BV. Refs: S_in [BK, Vp], dS [BK, Vp], U [Cp, Vp], dU0 [Cp, Vp] (delta rule only), dO [Cp, Vp] (with_q only);
+  results dW = -dU0 S_in^T (delta rule only), dk_end = U dS^T [Cp, BK], ddecay = sum_v S_in * dS [BK], and dq_dec =
+  dO S_in^T [Cp, BK] (with_q only), float32. Operands rounded to the operand dtype as `_from_states` rounds them;
+  every sum is float32."""
+  refs = list(refs)
+  take = lambda present=True: refs.pop(0) if present else None
+  s_ref, ds_ref, u_ref, du_ref, do_ref = take(), take(), take(), take(cfg.delta), take(with_q)
+  dw_ref, dk_ref, dd_ref, dq_ref = take(cfg.delta), take(), take(), take(with_q)
+  odt, f32 = jnp.dtype(cfg.operands), jnp.float32
+  Cp, BK = dk_ref.shape
+  products = lambda a_ref, cols, b: _dot(a_ref[:, cols].astype(odt), b, False, True, cfg.prec)  # [Cp, BK]
+
+  def body(j, acc):
+    cols = pl.ds(pl.multiple_of(j * BV, BV), BV)
+    S, dS = s_ref[:, cols].astype(odt), ds_ref[:, cols].astype(odt)
+    acc = dict(acc)
+    acc["dk"] = acc["dk"] + products(u_ref, cols, dS)
+    acc["dd"] = acc["dd"] + jnp.sum(S.astype(f32) * dS.astype(f32), axis=1)
+    if cfg.delta:
+      acc["dw"] = acc["dw"] - products(du_ref, cols, S)
+    if with_q:
+      acc["dq"] = acc["dq"] + products(do_ref, cols, S)
+    return acc
+
+  zeros = jnp.zeros((Cp, BK), f32)
+  acc = {"dk": zeros, "dd": jnp.zeros((BK,), f32)}
+  acc.update({"dw": zeros} if cfg.delta else {})
+  acc.update({"dq": zeros} if with_q else {})
+  acc = jax.lax.fori_loop(0, NV, body, acc)
+  dk_ref[...] = acc["dk"].astype(dk_ref.dtype)
+  dd_ref[...] = acc["dd"].astype(dd_ref.dtype)
+  if cfg.delta:
+    dw_ref[...] = acc["dw"].astype(dw_ref.dtype)
+  if with_q:
+    dq_ref[...] = acc["dq"].astype(dq_ref.dtype)
+
+
+def _products_call(cfg: Config, S_in, dS, U, dU0=None, dO=None):
+  """BWD_PRODUCTS' kernel on operands [B, HV, ...]: (dW, dk_end, ddecay, dq_dec) [B, HV, ...], float32; dW None
+  without the delta rule, dq_dec None without dO. The grid (K blocks, N, L) puts a chunk's key blocks next to each
+  other in the launch order (the first grid axis varies fastest), so the value-side blocks they share (U, dU0, dO)
+  come from the L2 cache after the first."""
+  B, HV, N, Kp, Vp = S_in.shape
+  Cp = U.shape[-2]
+  L, BV, BK = B * HV, cfg.block_v, min(cfg.products_block_k, Kp)
+  with_q = dO is not None
+  states = pl.BlockSpec((None, None, BK, Vp), lambda kb, n, r: (r, n, kb, 0))
+  rows = pl.BlockSpec((None, None, Cp, Vp), lambda kb, n, r: (r, n, 0, 0))
+  per_k = pl.BlockSpec((None, None, Cp, BK), lambda kb, n, r: (r, n, 0, kb))
+  per_key = pl.BlockSpec((None, None, BK), lambda kb, n, r: (r, n, kb))
+  ins = [S_in, dS, U] + ([dU0] if cfg.delta else []) + ([dO] if with_q else [])
+  in_specs = [states, states, rows] + [rows] * cfg.delta + [rows] * with_q
+  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  outs = [f32(L, N, Cp, Kp)] * cfg.delta + [f32(L, N, Cp, Kp), f32(L, N, Kp)] + [f32(L, N, Cp, Kp)] * with_q
+  out_specs = [per_k] * cfg.delta + [per_k, per_key] + [per_k] * with_q
+  res = _call(functools.partial(_products_kernel, cfg=cfg, NV=Vp // BV, BV=BV, with_q=with_q), cfg,
+              (Kp // BK, N, L), [_rows(x) for x in ins], in_specs, outs, out_specs, "gdn_chunk_products_bwd",
+              cfg.products_warps, 2)
+  res = [_unrows(r, B) for r in res]
+  dW = res.pop(0) if cfg.delta else None
+  dk_end, ddecay = res.pop(0), res.pop(0)
+  return dW, dk_end, ddecay, (res.pop(0) if with_q else None)
+
+
+def _products(cfg: Config, S_in, U, dU0, dS, dO=None):
+  """`_products_call` through its per-rows op (by delta rule and dq_dec)."""
+  args = [S_in, dS, U] + ([dU0] if cfg.delta else []) + ([dO] if dO is not None else [])
+  res = list(batched_rows(_PRODUCTS[cfg.delta, dO is not None], cfg, *args))
+  dW = res.pop(0) if cfg.delta else None
+  dk_end, ddecay = res.pop(0), res.pop(0)
+  return dW, dk_end, ddecay, (res.pop(0) if dO is not None else None)
+
+
 def _rows(x):
   """[B, HV, ...] -> [L, ...], the kernels' grid axis (a free reshape)."""
   return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
@@ -508,6 +595,20 @@ _BACKWARD = {
                                                   "n c v,n c k,n c k,n k,n c i,k v,n c v")),
 }
 
+def _products_op(cfg: Config, *args):
+  """`_products_call` on its operand list (S_in, dS, U, then dU0 with the delta rule, then dO for dq_dec)."""
+  S_in, dS, U, *rest = args
+  dU0 = rest.pop(0) if cfg.delta else None
+  dO = rest.pop(0) if rest else None
+  return tuple(r for r in _products_call(cfg, S_in, dS, U, dU0, dO) if r is not None)
+
+
+_PRODUCTS = {  # by (delta rule, dq_dec)
+    (delta, q): _per_rows(_products_op, _rule(",".join(["n k v", "n k v", "n c v"] + ["n c v"] * delta
+                                                       + ["n c v"] * q),
+                                              ",".join(["n c k"] * delta + ["n c k", "n k"] + ["n c k"] * q)))
+    for delta in (True, False) for q in (True, False)}
+
 _BACKWARD_STATES = {  # by (delta rule, BWD_FROM_OUTPUT)
     (True, False): _per_rows(_backward_states_call, _rule("n c k,n c k,n k,n k v,n c v,k v", "n c v,n k v,k v")),
     (False, False): _per_rows(_backward_states_call, _rule("n c k,n k,n k v,n c v,k v", "n c v,n k v,k v")),
@@ -527,12 +628,17 @@ def _forward(cfg: Config, U0, W, k_end, decay, S0, q_dec=None, P=None, A=None, b
   return S_in, U0, S_T
 
 
-def _backward(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0=None, A=None, beta=None):
+def _backward(cfg: Config, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0=None, A=None, beta=None, dO=None):
   """(dU0, dW, dk_end, ddecay, dS0, dA, dbeta): dW None without the delta rule, dA and dbeta None but for
-  per-value-channel beta."""
+  per-value-channel beta. With dO (the output's cotangent; BWD_PRODUCTS only) the pair (that tuple, dq_dec =
+  dO S_in^T [.., N, Cp, Kp] float32)."""
   if cfg.states_bwd and not cfg.channel:
     dU0, dS, dS0 = batched_rows(_BACKWARD_STATES[cfg.delta, cfg.from_output], cfg, W, k_end, decay, dS_in, dU,
                                 dS_T)
+    if cfg.products:
+      dW, dk_end, ddecay, dq_dec = _products(cfg, S_in, U, dU0, dS, dO)
+      res = dU0, dW, dk_end, ddecay, dS0, None, None
+      return res if dO is None else (res, dq_dec)
     dW, dk_end, ddecay = _from_states(cfg, S_in, U, dU0, dS)
     return dU0, dW, dk_end, ddecay, dS0, None, None
   res = batched_rows(_BACKWARD[cfg.delta, cfg.channel], cfg, W, k_end, decay, S_in, U, dS_in, dU, dS_T, U0, A,
@@ -598,7 +704,11 @@ def _output_pass_bwd(cfg, res, cts):
   if cfg.from_output:  # the backward kernel forms q_dec^T dO itself
     dS_in = (q_dec, dO)
   states = dataclasses.replace(cfg, output=False)
-  dU0, dW, dk_end, ddecay, dS0, dA, dbeta = _state_pass_bwd(states, res, (dS_in, dU, dS_T))
+  if cfg.products and cfg.states_bwd and not cfg.channel:  # dq_dec = dO S_in^T in the products kernel instead
+    (dU0, dW, dk_end, ddecay, dS0, dA, dbeta), dq = _backward(states, *res[:5], dS_in, dU, dS_T, dO=dO)
+    dq_dec = dq.astype(dq_dec.dtype)
+  else:
+    dU0, dW, dk_end, ddecay, dS0, dA, dbeta = _state_pass_bwd(states, res, (dS_in, dU, dS_T))
   return dU0, dW, dk_end, ddecay, dS0, dq_dec, dP, dA, dbeta
 
 
@@ -660,7 +770,9 @@ def _operands(loc: intra_chunk.Local, S0, prec, block_v: int, interpret: Optiona
                operands=operands, output=output is not None, out_dtype=jnp.dtype(output or jnp.float32).name,
                out_prec=prec if output is not None else None, channel=channel, states_bwd=BWD_STATES and not channel,
                from_output=bool(BWD_FROM_OUTPUT) and BWD_STATES and not channel and output is not None,
-               xla_prec=prec if BWD_STATES and not channel else None, wide=wide)
+               xla_prec=prec if BWD_STATES and not channel else None, wide=wide,
+               products=bool(BWD_PRODUCTS) and BWD_STATES and not channel, products_block_k=_pow2(PRODUCTS_BLOCK_K),
+               products_warps=PRODUCTS_NUM_WARPS)
   args = (op(loc.U, Cp, Vp), op(loc.k_dec if channel else loc.W, Cp, Kp) if delta else None, op(loc.k_end, Cp, Kp),
           f32(decay, Kp), f32(S0, Kp, Vp))
   if output is not None:
