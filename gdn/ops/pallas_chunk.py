@@ -98,14 +98,16 @@ BWD_STATES = True
 # backward kernel forms each chunk's share of the state cotangent from the output, q_dec^T dO [Kp, BV], itself from
 # q_dec and dO, as fla's backward state kernel does, so that XLA never writes that cotangent dS_in
 # [.., N, Kp, Vp] (at K = 256, V = 512 a state-sized array per chunk, as large as S_in); False, XLA's VJP of the
-# output product writes it and the kernel reads it. Read at trace time. Off until timed on the card.
+# output product writes it and the kernel reads it. Read at trace time. Off: timed only together with
+# BWD_PRODUCTS (below), which together left the 340M model's step where it was.
 BWD_FROM_OUTPUT = False
 # With BWD_STATES: True, the products of the per-chunk states with the backward's cotangents, dW = -dU S_in^T,
 # dk_end = U dS^T, ddecay = sum_v S_in * dS and, in a differentiated output pass, dq_dec = dO S_in^T, as one Pallas
 # kernel parallel over rows, chunks and blocks of PRODUCTS_BLOCK_K keys (fla's chunk_bwd_dqkwg): it reads S_in and
 # dS once per chunk, where XLA's matmuls and reduction read S_in three times and dS twice (at K = 256, V = 512 each
 # read is a state-sized array per chunk). False, those products in XLA (`_from_states`, the output's VJP). Read at
-# trace time. Off until timed on the card.
+# trace time. Off: on the H200 (bfloat16) it made the op's forward+backward 1.03-1.06x slower at K = V = 128, and
+# with BWD_FROM_OUTPUT the 340M model's step 490.5 against 491.3 ms, peak 37.2 against 37.9 GiB (docs/benchmarks.md).
 BWD_PRODUCTS = False
 PRODUCTS_BLOCK_K = 64  # key rows per program of that kernel (at most the padded K)
 PRODUCTS_NUM_WARPS = 8  # and its warps (offline for sm_90, 64 keys: 134-138 registers, no spill; four warps spill)
