@@ -597,6 +597,7 @@ _BACKWARD = {
                                                   "n c v,n c k,n c k,n k,n c i,k v,n c v")),
 }
 
+
 def _products_op(cfg: Config, *args):
   """`_products_call` on its operand list (S_in, dS, U, then dU0 with the delta rule, then dO for dq_dec)."""
   S_in, dS, U, *rest = args
