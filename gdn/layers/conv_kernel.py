@@ -113,6 +113,14 @@ def _refs(refs, has_b: bool, has_keep: bool, n_in: int):
   return ins, b_ref, keep_ref, refs[n_in:]
 
 
+def _activation_ct(dy, pre, activation):
+  """The pre-activation's cotangent from the output's: dy silu'(pre) for "silu", dy itself otherwise."""
+  if activation != "silu":
+    return dy
+  sig = jax.nn.sigmoid(pre)
+  return dy * sig * (1.0 + pre * (1.0 - sig))
+
+
 def _fwd_kernel(*refs, W, BT, activation, has_b, has_keep):
   (x_ref, head_ref, w_ref), b_ref, keep_ref, (y_ref,) = _refs(refs, has_b, has_keep, 3 + has_b + has_keep)
   pre = _pre(x_ref, head_ref, w_ref, b_ref, keep_ref, W, BT)
@@ -126,10 +134,7 @@ def _bwd_pre_kernel(*refs, W, BT, activation, has_b, has_keep):
   ins, b_ref, keep_ref, (dpre_ref, dw_ref) = _refs(refs, has_b, has_keep, n_in)
   x_ref, head_ref, w_ref, dy_ref = ins
   pre = _pre(x_ref, head_ref, w_ref, b_ref, keep_ref, W, BT)
-  dy = dy_ref[...].astype(pre.dtype)
-  if activation == "silu":
-    sig = jax.nn.sigmoid(pre)
-    dy = dy * sig * (1.0 + pre * (1.0 - sig))
+  dy = _activation_ct(dy_ref[...].astype(pre.dtype), pre, activation)
   dpre = dy.astype(dpre_ref.dtype)
   dpre_ref[...] = dpre
   d = dpre.astype(pre.dtype)
@@ -191,10 +196,8 @@ def _bwd_fused_kernel(*refs, W, BT, nT, activation, has_b):
       pre = pre + b_ref[0, :].astype(ct)[None, :]
     dy = (dy_ref[pl.ds(i * BT, BT), :] if s == 0 else
           _window(dy_ref, dytail_ref, i, i == nT - 1, i * BT + s, s, BT)).astype(ct)
-    if activation == "silu":
-      sig = jax.nn.sigmoid(pre)
-      dy = dy * sig * (1.0 + pre * (1.0 - sig))
-    dpre = dy.astype(x_ref.dtype).astype(ct)  # rounded as the two kernels' dpre and `conv._conv_bwd`'s
+    # rounded as the two kernels' dpre and `conv._conv_bwd`'s
+    dpre = _activation_ct(dy, pre, activation).astype(x_ref.dtype).astype(ct)
     if s == 0:  # the block's own rows: the weight's and bias' sums
       for tap in range(W):
         dw_ref[tap, :] = jnp.sum(x_at(tap - (W - 1)) * dpre, axis=0)
@@ -213,11 +216,7 @@ def _dpre_rows(x, state, w, b, dy, activation, n: int):
   pre = sum(xp[:, j:j + n] * w[j].astype(ct) for j in range(W))
   if b is not None:
     pre = pre + b.astype(ct)
-  d = dy[:, :n].astype(ct)
-  if activation == "silu":
-    sig = jax.nn.sigmoid(pre)
-    d = d * sig * (1.0 + pre * (1.0 - sig))
-  return d.astype(x.dtype).astype(ct)
+  return _activation_ct(dy[:, :n].astype(ct), pre, activation).astype(x.dtype).astype(ct)
 
 
 def _fused_bwd(x, state, w, b, dy, activation, interpret):

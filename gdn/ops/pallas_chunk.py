@@ -522,35 +522,33 @@ def _products_kernel(*refs, cfg: Config, NV: int, BV: int, with_q: bool):
     dq_ref[...] = acc["dq"].astype(dq_ref.dtype)
 
 
-def _products_call(cfg: Config, S_in, dS, U, dU0=None, dO=None):
-  """BWD_PRODUCTS' kernel on operands [B, HV, ...]: (dW, dk_end, ddecay, dq_dec) [B, HV, ...], float32; dW None
-  without the delta rule, dq_dec None without dO. The grid (K blocks, N, L) puts a chunk's key blocks next to each
-  other in the launch order (the first grid axis varies fastest), so the value-side blocks they share (U, dU0, dO)
-  come from the L2 cache after the first."""
+def _products_call(cfg: Config, S_in, dS, U, *rest):
+  """BWD_PRODUCTS' kernel on operands [B, HV, ...]: S_in, dS, U, then dU0 with the delta rule, then dO for dq_dec.
+  Returns (dW (delta rule only), dk_end, ddecay, dq_dec (with dO only)) [B, HV, ...], float32. The grid (K blocks,
+  N, L) puts a chunk's key blocks next to each other in the launch order (the first grid axis varies fastest), so
+  the value-side blocks they share (U, dU0, dO) come from the L2 cache after the first."""
   B, HV, N, Kp, Vp = S_in.shape
   Cp = U.shape[-2]
   L, BV, BK = B * HV, cfg.block_v, min(cfg.products_block_k, Kp)
-  with_q = dO is not None
+  with_q = len(rest) > cfg.delta
   states = pl.BlockSpec((None, None, BK, Vp), lambda kb, n, r: (r, n, kb, 0))
   rows = pl.BlockSpec((None, None, Cp, Vp), lambda kb, n, r: (r, n, 0, 0))
   per_k = pl.BlockSpec((None, None, Cp, BK), lambda kb, n, r: (r, n, 0, kb))
   per_key = pl.BlockSpec((None, None, BK), lambda kb, n, r: (r, n, kb))
-  ins = [S_in, dS, U] + ([dU0] if cfg.delta else []) + ([dO] if with_q else [])
-  in_specs = [states, states, rows] + [rows] * cfg.delta + [rows] * with_q
+  ins = [S_in, dS, U, *rest]
+  in_specs = [states, states] + [rows] * (1 + len(rest))
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
   outs = [f32(L, N, Cp, Kp)] * cfg.delta + [f32(L, N, Cp, Kp), f32(L, N, Kp)] + [f32(L, N, Cp, Kp)] * with_q
   out_specs = [per_k] * cfg.delta + [per_k, per_key] + [per_k] * with_q
   res = _call(functools.partial(_products_kernel, cfg=cfg, NV=Vp // BV, BV=BV, with_q=with_q), cfg,
               (Kp // BK, N, L), [_rows(x) for x in ins], in_specs, outs, out_specs, "gdn_chunk_products_bwd",
               cfg.products_warps, 2)
-  res = [_unrows(r, B) for r in res]
-  dW = res.pop(0) if cfg.delta else None
-  dk_end, ddecay = res.pop(0), res.pop(0)
-  return dW, dk_end, ddecay, (res.pop(0) if with_q else None)
+  return tuple(_unrows(r, B) for r in res)
 
 
 def _products(cfg: Config, S_in, U, dU0, dS, dO=None):
-  """`_products_call` through its per-rows op (by delta rule and dq_dec)."""
+  """(dW, dk_end, ddecay, dq_dec) from `_products_call` through its per-rows op (by delta rule and dq_dec); dW None
+  without the delta rule, dq_dec None without dO."""
   args = [S_in, dS, U] + ([dU0] if cfg.delta else []) + ([dO] if dO is not None else [])
   res = list(batched_rows(_PRODUCTS[cfg.delta, dO is not None], cfg, *args))
   dW = res.pop(0) if cfg.delta else None
@@ -598,16 +596,8 @@ _BACKWARD = {
 }
 
 
-def _products_op(cfg: Config, *args):
-  """`_products_call` on its operand list (S_in, dS, U, then dU0 with the delta rule, then dO for dq_dec)."""
-  S_in, dS, U, *rest = args
-  dU0 = rest.pop(0) if cfg.delta else None
-  dO = rest.pop(0) if rest else None
-  return tuple(r for r in _products_call(cfg, S_in, dS, U, dU0, dO) if r is not None)
-
-
 _PRODUCTS = {  # by (delta rule, dq_dec)
-    (delta, q): _per_rows(_products_op, _rule(",".join(["n k v", "n k v", "n c v"] + ["n c v"] * delta
+    (delta, q): _per_rows(_products_call, _rule(",".join(["n k v", "n k v", "n c v"] + ["n c v"] * delta
                                                        + ["n c v"] * q),
                                               ",".join(["n c k"] * delta + ["n c k", "n k"] + ["n c k"] * q)))
     for delta in (True, False) for q in (True, False)}
