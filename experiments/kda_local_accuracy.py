@@ -55,8 +55,13 @@ def forward_and_grads(x: dict, dtype, method: str, bound) -> dict:
                             initial_state=args["initial_state"], method=method, chunk_size=64, g_lower_bound=bound)
     return o, S
 
-  (o, S), vjp = jax.vjp(f, cast)
-  (grads,) = vjp((jnp.asarray(x["do"], o.dtype), jnp.asarray(x["dS"], S.dtype)))
+  @jax.jit  # one program a form (traced afresh, so each form's module switches hold)
+  def run(args, do, dS):
+    (o, S), vjp = jax.vjp(f, args)
+    (grads,) = vjp((do.astype(o.dtype), dS.astype(S.dtype)))
+    return o, grads
+
+  o, grads = run(cast, jnp.asarray(x["do"]), jnp.asarray(x["dS"]))
   return {"o": np.asarray(o, np.float64), **{f"d{n}": np.asarray(grads[n], np.float64) for n in NAMES}}
 
 

@@ -14,13 +14,19 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def device_count_flags(devices: int) -> str:
+  """The caller's XLA_FLAGS (the suite's code-generation flag among them: conftest.py) with `devices` host CPU
+  devices forced."""
+  return (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
+
+
 def run_child(script: str, *args: str, devices: int = 8, fast_compile: bool = True, timeout: int = 600):
   """Runs `python script *args` on `devices` CPU devices; returns the JSON of its last stdout line.
 
   fast_compile: compile with fewer optimisations (2-3x faster here; the tests check math, not XLA's fusions).
   """
   env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
+  env["XLA_FLAGS"] = device_count_flags(devices)
   env["JAX_PLATFORMS"] = "cpu"
   if fast_compile:
     env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"

@@ -11,7 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _table(args):
   """bench_scaling's rows (dicts by column) in a child process with its forced CPU devices."""
   code = f"import sys; sys.path.insert(0, {ROOT!r}); from experiments.bench_scaling import main; main({args!r})"
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  # The script forces its own device count; the caller's other flags (conftest.py's code generation) stay.
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
   env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # the table and the losses are under test, not XLA's fusions
   r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

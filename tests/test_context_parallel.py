@@ -163,7 +163,8 @@ def test_one_device_mesh_with_a_bounded_gate():
       **x, segment_ids=seg, mesh=_one_device_mesh(), axis_name="seq", chunk_size=C, g_lower_bound=-2.0))
   plain = jax.jit(lambda x, seg: ops.gated_delta_rule(**x, segment_ids=seg, chunk_size=C, method="chunk",
                                                        g_lower_bound=-2.0))
-  unbounded_on_clamped = ops.gated_delta_rule(**dict(x, g=np.maximum(x["g"], -2.0)), segment_ids=seg, chunk_size=C)
+  unbounded_on_clamped = jax.jit(lambda x, seg: ops.gated_delta_rule(**x, segment_ids=seg, chunk_size=C))(
+      dict(x, g=np.maximum(x["g"], -2.0)), seg)
   for got, want in ((cp(x, seg), plain(x, seg)), (cp(x, seg), unbounded_on_clamped)):
     for a, b in zip(got, want):
       np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max(), rtol=0)

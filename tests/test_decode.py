@@ -202,10 +202,11 @@ def test_lean_matmuls_of_one_row_run_on_two(monkeypatch, scan):
     graphdef, state = nnx.split(lean)
     fn = jax.jit(lambda s, t, c: nnx.merge(graphdef, s).decode_step(t, c)[0])
     args = (state, _tokens(B=B, T=1), lean.init_cache(B, 8))
-    hlo = fn.lower(*args).compile().as_text()
+    compiled = fn.lower(*args).compile()
+    hlo = compiled.as_text()
     shapes = {tuple(int(d) for d in m.split(",") if d) for m in re.findall(r"= \w+\[([\d,]*)\]\S* dot\(", hlo)}
     assert shapes, hlo
-    return fn(*args), shapes
+    return compiled(*args), shapes
 
   (off, dots_off), (on, dots_on) = step(1, False), step(1, True)
   np.testing.assert_allclose(np.asarray(on), np.asarray(off), rtol=1e-6, atol=1e-6)

@@ -51,10 +51,12 @@ def _mixer(seed, dtype, D=32, **overrides):
 def _both(m, x, cache):
   """(o, conv window, S) from the mixer's XLA step and from the kernel, for one token."""
   B = x.shape[0]
-  want = m._mix(m.in_proj(x), B=B, T=1, segment_ids=None, cache=cache, context_axis=None)
   layout = m._decode_layout(cache, 1, None)
   assert layout is not None
-  got = m._decode_fused(m.in_proj.matmul(x[:, 0]), cache, layout)
+  # Each path one program, as decoding runs it (not a hundred eager dispatches).
+  want = nnx.jit(lambda m, x, cache: m._mix(m.in_proj(x), B=B, T=1, segment_ids=None, cache=cache,
+                                            context_axis=None))(m, x, cache)
+  got = nnx.jit(lambda m, x, cache: m._decode_fused(m.in_proj.matmul(x[:, 0]), cache, layout))(m, x, cache)
   return got, want
 
 
@@ -215,6 +217,6 @@ def test_compiled_on_gpu(monkeypatch, dtype, tol, num_v_heads, split):
                        allow_neg_eigval=True)
   x = jnp.tile(x, (4, 1, 1))
   cache = jax.tree.map(lambda a: jnp.tile(a, (4,) + (1,) * (a.ndim - 1)), cache)
-  got, want = nnx.jit(_both)(m, x, cache)
+  got, want = _both(m, x, cache)
   for name, a, b in zip(("o", "conv", "S"), got, want):
     assert rel_err(a, b) <= tol, (name, rel_err(a, b))

@@ -159,6 +159,7 @@ def test_kda_layer_with_a_bounded_gate():
     assert np.all(np.asarray(layer.A_log[...]) == 0.0)  # A = 1 at init, as fla's safe_gate layer
     scan = RecurrentMixer(dataclasses.replace(cfg, method="recurrent"), D, rngs=nnx.Rngs(0))
 
+    @nnx.jit
     def loss_and_grad(m):
       return nnx.value_and_grad(lambda m: (m(x)[0] ** 2).sum())(m)
 

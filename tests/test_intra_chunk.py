@@ -20,10 +20,15 @@ def test_inverse_vjp_equals_autodiff(C):
   L = jnp.asarray(rng.normal(size=(3, C, C)) * 0.3, jnp.float32)
   ct = jnp.asarray(rng.normal(size=(3, C, C)), jnp.float32)
   strict = jnp.tril(jnp.ones((C, C), bool), -1)
-  T, vjp = jax.vjp(lambda L: intra_chunk.invert_unit_lower(L, jax.lax.Precision.HIGHEST), L)
-  T_ref, vjp_ref = jax.vjp(lambda L: intra_chunk._invert_unit_lower(L, jax.lax.Precision.HIGHEST, 16), L)
-  _, vjp_inv = jax.vjp(lambda L: jnp.linalg.inv(jnp.eye(C) + jnp.where(strict, L, 0.0)), L)
-  (dL,), (dL_ref,), (dL_inv,) = vjp(ct), vjp_ref(ct), vjp_inv(ct)
+
+  @jax.jit  # one program, not a few hundred eager dispatches
+  def forms(L, ct):
+    T, vjp = jax.vjp(lambda L: intra_chunk.invert_unit_lower(L, jax.lax.Precision.HIGHEST), L)
+    T_ref, vjp_ref = jax.vjp(lambda L: intra_chunk._invert_unit_lower(L, jax.lax.Precision.HIGHEST, 16), L)
+    _, vjp_inv = jax.vjp(lambda L: jnp.linalg.inv(jnp.eye(C) + jnp.where(strict, L, 0.0)), L)
+    return T, T_ref, vjp(ct)[0], vjp_ref(ct)[0], vjp_inv(ct)[0]
+
+  T, T_ref, dL, dL_ref, dL_inv = forms(L, ct)
   np.testing.assert_array_equal(np.asarray(T), np.asarray(T_ref))
   scale = float(jnp.max(jnp.abs(dL_ref)))
   assert float(jnp.max(jnp.abs(dL - dL_ref))) < 1e-5 * scale

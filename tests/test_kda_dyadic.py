@@ -38,8 +38,8 @@ def test_pair_products_match_the_pairwise_form(C):
     q, k = (jnp.asarray(rng.normal(size=(2, L, C, K))) for _ in range(2))
     g = -jnp.asarray(rng.uniform(0, 60, (2, L, C, K)) * (rng.uniform(size=(2, L, C, K)) < 0.5))
     dot = intra_chunk._dot(jax.lax.Precision.HIGHEST)
-    A0, P0 = intra_chunk._pair_channel(q, k, g, dot)
-    A1, P1 = intra_chunk._pair_channel_dyadic(q, k, g, dot)
+    (A0, P0), (A1, P1) = jax.jit(lambda q, k, g: (intra_chunk._pair_channel(q, k, g, dot),
+                                                  intra_chunk._pair_channel_dyadic(q, k, g, dot)))(q, k, g)
     strict, incl = np.tril(np.ones((C, C), bool), -1), np.tril(np.ones((C, C), bool))
     np.testing.assert_allclose(np.where(strict, A1, 0), np.where(strict, A0, 0), atol=1e-12)
     np.testing.assert_allclose(np.where(incl, P1, 0), np.where(incl, P0, 0), atol=1e-12)

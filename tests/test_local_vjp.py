@@ -49,10 +49,15 @@ def local_vjp(monkeypatch, own, arrays, masks, prec, seed=3, lowp=False):
   monkeypatch.setattr(intra_chunk, "LOCAL_VJP", own)
   monkeypatch.setattr(intra_chunk, "LOWP_SOLVE", lowp)
   fn = lambda *xs: intra_chunk.local(*xs, masks, beta_kind="head", prec=prec)
-  out, vjp = jax.vjp(fn, *arrays)
   rng = np.random.default_rng(seed)
-  ct = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), out)
-  return out, vjp(ct)
+  ct = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), jax.eval_shape(fn, *arrays))
+
+  @jax.jit  # one program, traced afresh under the switches above (not a few hundred eager dispatches)
+  def run(arrays, ct):
+    out, vjp = jax.vjp(fn, *arrays)
+    return out, vjp(ct)
+
+  return run(arrays, ct)
 
 
 @pytest.mark.parametrize("C", [16, 64])

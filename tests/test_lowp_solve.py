@@ -112,10 +112,15 @@ def test_inverse_in_16_bit():
   rng = np.random.default_rng(0)
   L = jnp.asarray(rng.normal(size=(3, 64, 64)) * 0.1, jnp.float32)
   ct = jnp.asarray(rng.normal(size=(3, 64, 64)), jnp.float32)
-  T, vjp = jax.vjp(lambda L: intra_chunk.invert_unit_lower(L, PREC), L)
-  T16, vjp16 = jax.vjp(lambda L: intra_chunk.invert_unit_lower(L, PREC, dtype=jnp.bfloat16), L)
+
+  @jax.jit
+  def both(L, ct):
+    T, vjp = jax.vjp(lambda L: intra_chunk.invert_unit_lower(L, PREC), L)
+    T16, vjp16 = jax.vjp(lambda L: intra_chunk.invert_unit_lower(L, PREC, dtype=jnp.bfloat16), L)
+    return T, T16, vjp(ct)[0], vjp16(ct.astype(jnp.bfloat16))[0]
+
+  T, T16, dL, dL16 = both(L, ct)
   np.testing.assert_array_equal(np.asarray(T16), np.asarray(T.astype(jnp.bfloat16)))
-  (dL,), (dL16,) = vjp(ct), vjp16(ct.astype(jnp.bfloat16))
   assert dL16.dtype == jnp.float32
   assert rel(np.asarray(dL16, np.float64), np.asarray(dL, np.float64)) < 1e-2
 

@@ -18,6 +18,7 @@ from flax import nnx
 from gdn.config import AttentionConfig, ModelConfig, MoEConfig, recurrent_preset
 from gdn.layers.moe import MoE, load_balancing_loss
 from gdn.model import LanguageModel
+from devices import device_count_flags
 
 D = 32
 # The checks are math, not XLA's fusions: fewer optimisations compile faster (conftest.py).
@@ -140,7 +141,7 @@ def test_moe_config_errors():
 
 @pytest.mark.slow
 def test_moe_training_on_one_and_8_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+  env = dict(os.environ, XLA_FLAGS=device_count_flags(8), JAX_PLATFORMS="cpu",
              JAX_DISABLE_MOST_OPTIMIZATIONS="1")  # math, not XLA's fusions: fewer optimisations compile faster
   r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -16,6 +16,8 @@ import time
 import numpy as np
 import pytest
 
+from devices import device_count_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "quickstart.py")
 # Orbax's async checkpointer may leave its event loop to close after a test ends.
@@ -94,7 +96,7 @@ def test_one_process_holds_every_row():
 def test_two_processes_train_like_one_and_restore(tmp_path):
   port = _free_port()
   shared = str(tmp_path / "two")
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_EACH}", JAX_PLATFORMS="cpu",
+  env = dict(os.environ, XLA_FLAGS=device_count_flags(DEVICES_EACH), JAX_PLATFORMS="cpu",
              JAX_DISABLE_MOST_OPTIMIZATIONS="1",  # as the fast_compile fixture does for the one-process run
              PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   workers = [subprocess.Popen([sys.executable, __file__, str(p), str(port), shared], cwd=ROOT, env=env,

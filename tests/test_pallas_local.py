@@ -390,7 +390,7 @@ def test_solve_equals_the_xla_inverse(C, lead):
   L = np.tril(rng.uniform(-1.0, 1.0, lead + (C, C)), -1) * 0.3
   prec = jax.lax.Precision.HIGHEST
   got = jax.jit(lambda x: pallas_local.solve(x, prec, jnp.float32))(jnp.asarray(L, jnp.float32))
-  xla = intra_chunk._invert_unit_lower(jnp.asarray(L, jnp.float32), prec, 16)
+  xla = jax.jit(lambda x: intra_chunk._invert_unit_lower(x, prec, 16))(jnp.asarray(L, jnp.float32))
   want = np.linalg.inv(np.eye(C) + L)
   assert got.shape == L.shape and got.dtype == jnp.float32
   assert rel_err(got, want) <= 1e-5 and rel_err(got, xla) <= 1e-5, (rel_err(got, want), rel_err(got, xla))

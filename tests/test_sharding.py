@@ -12,6 +12,8 @@ import tempfile
 import numpy as np
 import pytest
 
+from devices import device_count_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -40,7 +42,7 @@ def test_sharded_training_on_8_devices():
   with tempfile.TemporaryDirectory() as d:
     # Fewer optimisations compile faster (the checks are math, not XLA's fusions); the persistent cache lets the
     # resumed run reuse the programs that the run it resumes compiled, as a resumed run does by default.
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=device_count_flags(8), JAX_PLATFORMS="cpu",
                JAX_DISABLE_MOST_OPTIMIZATIONS="1", JAX_COMPILATION_CACHE_DIR=os.path.join(d, "jax_cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     r = subprocess.run([sys.executable, __file__, d], env=env, capture_output=True, text=True, timeout=600)

@@ -19,9 +19,14 @@ def test_composed_stages_are_the_op(method):
   x = make_inputs(3, B=2, T=37, H=1, HV=2, K=8, V=6, g_kind="head", beta_kind="head", segments=True)
   args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta")]
   seg, S0 = jnp.asarray(x["segment_ids"]), jnp.asarray(x["initial_state"])
-  p = stages.prepare(*args, segment_ids=seg, chunk_size=16)
-  S_T, S_in, U = stages.state_pass(p, S0, method=method)
-  o = stages.finish(p, S_in, U)
+
+  @jax.jit  # one program, as a user composing the stages would run them
+  def staged(args, seg, S0):
+    p = stages.prepare(*args, segment_ids=seg, chunk_size=16)
+    S_T, S_in, U = stages.state_pass(p, S0, method=method)
+    return stages.finish(p, S_in, U), S_T, S_in, U
+
+  o, S_T, S_in, U = staged(args, seg, S0)
   assert S_in.shape == (2, 2, 3, 8, 6) and U.shape == (2, 2, 3, 16, 6)
   o_ref, S_ref = gated_delta_rule_ref(*(x[n] for n in ("q", "k", "v", "g", "beta")), initial_state=x["initial_state"],
                                       segment_ids=x["segment_ids"])
@@ -45,8 +50,8 @@ def test_gradients_flow_through_the_stages():
     p = stages.prepare(**a, chunk_size=8)
     return stages.finish(p, *stages.state_pass(p)[1:])
 
-  got = jax.grad(loss)(args, staged)
-  want = jax.grad(loss)(args, lambda a: gated_delta_rule(**a, method="recurrent")[0])
+  got = jax.jit(jax.grad(lambda a: loss(a, staged)))(args)
+  want = jax.jit(jax.grad(lambda a: loss(a, lambda a: gated_delta_rule(**a, method="recurrent")[0])))(args)
   for n in args:
     assert rel(np.asarray(got[n]), np.asarray(want[n])) < 1e-4, n
 
