@@ -61,7 +61,7 @@ def forward_and_grads(x: dict, dtype, method: str, bound) -> dict:
     (grads,) = vjp((do.astype(o.dtype), dS.astype(S.dtype)))
     return o, grads
 
-  o, grads = run(cast, jnp.asarray(x["do"]), jnp.asarray(x["dS"]))
+  o, grads = run(cast, jnp.asarray(x["do"], dtype), jnp.asarray(x["dS"], cast["initial_state"].dtype))
   return {"o": np.asarray(o, np.float64), **{f"d{n}": np.asarray(grads[n], np.float64) for n in NAMES}}
 
 

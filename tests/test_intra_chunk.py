@@ -25,10 +25,13 @@ def test_inverse_vjp_equals_autodiff(C):
   def forms(L, ct):
     T, vjp = jax.vjp(lambda L: intra_chunk.invert_unit_lower(L, jax.lax.Precision.HIGHEST), L)
     T_ref, vjp_ref = jax.vjp(lambda L: intra_chunk._invert_unit_lower(L, jax.lax.Precision.HIGHEST, 16), L)
-    _, vjp_inv = jax.vjp(lambda L: jnp.linalg.inv(jnp.eye(C) + jnp.where(strict, L, 0.0)), L)
-    return T, T_ref, vjp(ct)[0], vjp_ref(ct)[0], vjp_inv(ct)[0]
+    return T, T_ref, vjp(ct)[0], vjp_ref(ct)[0]
 
-  T, T_ref, dL, dL_ref, dL_inv = forms(L, ct)
+  T, T_ref, dL, dL_ref = forms(L, ct)
+  # LAPACK's inverse op by op: inside one compiled program, in a process that has loaded torch (the interop tests
+  # before this module on the same pytest-xdist worker), its calls have hung XLA:CPU's executor (about 1 run in 3).
+  _, vjp_inv = jax.vjp(lambda L: jnp.linalg.inv(jnp.eye(C) + jnp.where(strict, L, 0.0)), L)
+  (dL_inv,) = vjp_inv(ct)
   np.testing.assert_array_equal(np.asarray(T), np.asarray(T_ref))
   scale = float(jnp.max(jnp.abs(dL_ref)))
   assert float(jnp.max(jnp.abs(dL - dL_ref))) < 1e-5 * scale
