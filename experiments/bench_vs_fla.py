@@ -1,6 +1,7 @@
 """gdn's `gated_delta_rule(method="pallas")` against fla's Triton kernel in one process, on the same inputs.
 
-Per shape (B, T, H, D; H = HV heads, K = V = D) both sides get the same q, k (unit rows), v, g (log-decays in
+Per shape (B, T, H, D with H = HV heads and K = V = D, or B, T, H, K, V: the 340M model's heads are
+8,4096,6,256,512) both sides get the same q, k (unit rows), v, g (log-decays in
 [log 0.9, 0]), beta (in (0, 1)) and output cotangent: drawn once in NumPy (`gdn.bench.op_inputs.inputs`), rounded
 to their dtypes in JAX and copied bit for bit to PyTorch. Two variants:
 
@@ -80,17 +81,17 @@ VARIANTS = {
 
 def variant_inputs(variant: str, shape, dtype, g_dtype):
   """[q, k, v, g, beta] as JAX arrays (g per head for "gdn", per key channel for "kda") and the output's
-  cotangent do [B, T, H, D] in dtype."""
+  cotangent do [B, T, H, V] in dtype."""
   args, rng = inputs(shape, dtype, VARIANTS[variant]["g_kind"], g_dtype)
-  do = jnp.asarray(rng.normal(size=shape), dtype)
+  do = jnp.asarray(rng.normal(size=args[2].shape), dtype)
   return args, do
 
 
-def fla_kwargs(variant: str, D: int, safe_gate: bool = False) -> dict:
+def fla_kwargs(variant: str, K: int, safe_gate: bool = False) -> dict:
   """The keyword arguments that make fla's kernel compute gdn's recurrence on these inputs: g the log-decay as
   given (no gate activation in the kernel), beta as given (no sigmoid), q and k as given (no L2 norm), scale
   K ** -0.5, no initial or final state."""
-  kw = dict(scale=D**-0.5, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+  kw = dict(scale=K**-0.5, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
             use_beta_sigmoid_in_kernel=False)
   if variant == "kda":
     kw.update(use_gate_in_kernel=False, safe_gate=safe_gate, lower_bound=-5.0 if safe_gate else None)
@@ -179,7 +180,7 @@ def measure(variant, shape, dtype, g_dtype, reps, torch=None, safe_gate=False, p
   args, do = variant_inputs(variant, shape, dtype, g_dtype)
   builders = {"gdn": lambda: gdn_side(args, do, g_lower_bound, method)}
   if torch is not None:  # fla first: its autotuning, then XLA's compile
-    builders = {"fla": lambda: fla_side(variant, args, do, fla_kwargs(variant, shape[-1], safe_gate)), **builders}
+    builders = {"fla": lambda: fla_side(variant, args, do, fla_kwargs(variant, shape[3], safe_gate)), **builders}
   sides, outs, row = {}, {}, {}
   for name, build in builders.items():  # warm up both before anything is timed
     try:
@@ -230,15 +231,26 @@ def gdn_profile_in_child(a, shape, switch_arg=None) -> dict:
   return jax_profile_in_child("experiments.bench_vs_fla", argv)[0]
 
 
-def parse_shapes(texts):
-  return [tuple(int(x) for x in s.split(",")) for s in texts]
+def parse_shapes(p, texts):
+  """--shapes' B,T,H,D or B,T,H,K,V texts as tuples; a bad one is refused naming the flag."""
+  from gdn.bench.op_inputs import dims
+
+  shapes = []
+  for text in texts:
+    try:
+      shape = tuple(int(x) for x in text.split(","))
+      dims(shape)
+    except ValueError:
+      p.error(f"--shapes takes B,T,H,D or B,T,H,K,V (positive integers), got {text!r}")
+    shapes.append(shape)
+  return shapes
 
 
 def main(argv=None) -> list:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--variant", choices=sorted(VARIANTS), default="gdn")
   p.add_argument("--preset", choices=sorted(PRESETS), default="h200")
-  p.add_argument("--shapes", nargs="*", help="override the preset's shapes, each as B,T,H,D")
+  p.add_argument("--shapes", nargs="*", help="override the preset's shapes, each as B,T,H,D (K = V = D) or B,T,H,K,V")
   p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="q, k, v, beta, o")
   p.add_argument("--g-dtype", choices=["float32", "bfloat16"], default="float32",
                  help="g's dtype on both sides (float32: what fla's layers and bench_fla pass)")
@@ -270,7 +282,7 @@ def main(argv=None) -> list:
   if a.fla_safe_gate and a.variant != "kda":
     p.error("--fla-safe-gate is for --variant kda")
   switch = parse_switch(p, a.switch)
-  shapes = parse_shapes(a.shapes) if a.shapes else PRESETS[a.preset]["shapes"]
+  shapes = parse_shapes(p, a.shapes) if a.shapes else PRESETS[a.preset]["shapes"]
   torch, why = fla_available(a.gdn_only)
   head = (f"# {a.variant}: gdn method='{a.gdn_method}' vs fla {VARIANTS[a.variant]['fla'][1]}, one process, "
           "same inputs; "
@@ -358,7 +370,8 @@ def parse_switch(p, spec):
 
 def table(a, shapes, torch, switch_arg=None) -> list:
   """The table's rows, one per shape (printed as they come), with the switch as the caller set it."""
-  print("| B, T, H, D | fla fwd ms | gdn fwd ms | gdn/fla fwd | fla fwd+bwd ms | gdn fwd+bwd ms | gdn/fla fwd+bwd | "
+  dims = "B, T, H, K, V" if any(len(s) == 5 for s in shapes) else "B, T, H, D"
+  print(f"| {dims} | fla fwd ms | gdn fwd ms | gdn/fla fwd | fla fwd+bwd ms | gdn fwd+bwd ms | gdn/fla fwd+bwd | "
         "rel err o | rel err grads | fla do_bench fwd / fwd+bwd ms |")
   print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   # the sides traced here: gdn's only in a profiling child (--profile-json), which runs it alone

@@ -41,6 +41,28 @@ def test_gdn_half_runs_on_cpu(variant, capsys, tmp_path):
   assert [r["shape"] for r in rows] == [(1, 64, 1, 16)] and "fla_fwd" not in rows[0]
 
 
+def test_value_heads_of_another_width(capsys):
+  """--shapes B,T,H,K,V: v and the output's cotangent V wide, q and k K wide (the 340M model's K = 256, V = 512,
+  scaled down), the same draws as B,T,H,D where K = V; a malformed shape is refused naming the flag."""
+  (q, k, v, g, beta), do = bench_vs_fla.variant_inputs("kda", (2, 8, 3, 4, 6), jnp.bfloat16, jnp.float32)
+  assert q.shape == k.shape == g.shape == (2, 8, 3, 4) and v.shape == do.shape == (2, 8, 3, 6)
+  same, wide = (bench_vs_fla.variant_inputs("gdn", s, jnp.float32, jnp.float32) for s in ((1, 8, 2, 4),
+                                                                                         (1, 8, 2, 4, 4)))
+  for a, b in zip(same[0] + [same[1]], wide[0] + [wide[1]]):
+    np.testing.assert_array_equal(a, b)
+  rows = bench_vs_fla.main(["--gdn-only", "--shapes", "1,64,1,16,32", "--reps", "1"])
+  out = capsys.readouterr().out
+  (row,) = table(out)
+  assert row["B, T, H, K, V"] == "1, 64, 1, 16, 32" and float(row["gdn fwd+bwd ms"]) > 0
+  assert [r["shape"] for r in rows] == [(1, 64, 1, 16, 32)]
+  for bad in ("1,64,1", "1,64,1,16,32,8", "1,64,0,16", "1,64,1,x"):
+    with pytest.raises(SystemExit):
+      bench_vs_fla.main(["--gdn-only", "--shapes", bad])
+    assert "--shapes" in capsys.readouterr().err
+  with pytest.raises(ValueError, match="B,T,H,K,V"):
+    op_inputs.inputs((1, 8, 2), jnp.float32)
+
+
 def test_switch_prints_a_table_per_setting_and_restores_it(monkeypatch, capsys, tmp_path):
   """--switch: one table per setting, gdn's side built with the module switch set to it, then restored (with
   --hlo, one program per setting); a bad spec is refused naming the flag."""
@@ -145,20 +167,22 @@ def test_to_torch_copies_bit_for_bit():
   assert bench_vs_fla.to_torch(jnp.ones(2, jnp.float32)).dtype == torch.float32
 
 
+@pytest.mark.parametrize("shape", [(1, 70, 2, 8), (1, 70, 2, 8, 16)], ids=["K=V", "V=2K"])
 @pytest.mark.parametrize("variant", ["gdn", "kda"])
-def test_fla_half_with_a_stand_in(variant, monkeypatch):
+def test_fla_half_with_a_stand_in(variant, shape, monkeypatch):
   """fla_side as the bench builds it, with fla's kernel replaced by the PyTorch token loop (on CPU): it is called
-  with the plain flags, and its output and gradients match gdn's side on the same inputs (float32)."""
+  with the plain flags (scale K ** -0.5), and its output and gradients match gdn's side on the same inputs
+  (float32), for value heads as wide as the keys and twice as wide (the 340M model's heads)."""
   pytest.importorskip("torch")
   module, name = bench_vs_fla.VARIANTS[variant]["fla"]
-  kw = bench_vs_fla.fla_kwargs(variant, 8)
+  kw = bench_vs_fla.fla_kwargs(variant, shape[3])
+  assert kw["scale"] == 8**-0.5
 
   def stand_in(q, k, v, g, beta, **got):
     assert got == kw
     return naive_kda(q, k, v, g, beta, got["scale"]).float(), None
 
   monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(**{name: stand_in}))
-  shape = (1, 70, 2, 8)
   args, do = bench_vs_fla.variant_inputs(variant, shape, jnp.float32, jnp.float32)
   f_fwd, f_fb, f_sync = bench_vs_fla.fla_side(variant, args, do, kw, device="cpu")
   g_fwd, g_fb, g_sync = bench_vs_fla.gdn_side(args, do)
@@ -185,12 +209,14 @@ def test_a_failing_fla_side_leaves_gdn_timed():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["2,1024,4,128", "1,1024,2,256,512"])
 @pytest.mark.parametrize("variant", ["gdn", "kda"])
-def test_fla_and_gdn_agree_on_gpu(variant, capsys):
-  """On a CUDA machine with fla: one row per variant, both sides timed, outputs and gradients close (bf16)."""
+def test_fla_and_gdn_agree_on_gpu(variant, shape, capsys):
+  """On a CUDA machine with fla: one row per variant, both sides timed, outputs and gradients close (bf16), with
+  K = V and with the 340M model's heads (K = 256, V = 512)."""
   pytest.importorskip("torch")
   pytest.importorskip("fla")
-  (row,) = bench_vs_fla.main(["--variant", variant, "--shapes", "2,1024,4,128", "--reps", "2"])
+  (row,) = bench_vs_fla.main(["--variant", variant, "--shapes", shape, "--reps", "2"])
   print(capsys.readouterr().out)
   assert all(row[k] > 0 for k in ("fla_fwd", "gdn_fwd", "fla_fb", "gdn_fb"))
   assert row["rel_err"] < 3e-2, row

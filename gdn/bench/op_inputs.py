@@ -1,5 +1,6 @@
-"""The op benchmark's shape presets and its inputs: (B, T, H, D) with H = HV heads, K = V = D, per-head beta and
-per-head g (Gated DeltaNet) or per-key-channel g (KDA)."""
+"""The op benchmark's shape presets and its inputs: (B, T, H, D) with H = HV heads, K = V = D, or (B, T, H, K, V)
+for value heads of another width (the 340M model's K = 256, V = 512); per-head beta and per-head g (Gated
+DeltaNet) or per-key-channel g (KDA)."""
 
 from __future__ import annotations
 
@@ -17,19 +18,28 @@ PRESETS = {  # shapes and the methods timed on them
 }
 
 
+def dims(shape):
+  """(B, T, H, K, V) of a shape (B, T, H, D) (K = V = D) or (B, T, H, K, V); a clear error for anything else."""
+  if len(shape) not in (4, 5) or not all(isinstance(n, (int, np.integer)) and n > 0 for n in shape):
+    raise ValueError(f"shape must be B,T,H,D or B,T,H,K,V of positive integers, got {tuple(shape)}")
+  return tuple(int(n) for n in shape) + ((int(shape[3]),) if len(shape) == 4 else ())
+
+
 def inputs(shape, dtype, g_kind="head", g_dtype=None):
-  """q, k (unit rows), v, g (log-decays in [log 0.9, 0]), beta in (0, 1): the arrays every row times. g is
-  [B, T, H] for g_kind "head" and [B, T, H, D] (one decay per key channel, KDA's gate) for "channel", in
-  g_dtype (default: dtype). Returns the list and the generator, drawn on for anything else the row needs."""
+  """q, k (unit rows), v, g (log-decays in [log 0.9, 0]), beta in (0, 1): the arrays every row times, for a
+  shape (B, T, H, D) or (B, T, H, K, V) (q, k [B, T, H, K], v [B, T, H, V]; the same draws as (B, T, H, D) when
+  K = V = D). g is [B, T, H] for g_kind "head" and [B, T, H, K] (one decay per key channel, KDA's gate) for
+  "channel", in g_dtype (default: dtype). Returns the list and the generator, drawn on for anything else the row
+  needs."""
   if g_kind not in ("head", "channel"):
     raise ValueError(f"g_kind must be 'head' or 'channel', got {g_kind!r}")
-  B, T, H, D = shape
-  g_shape = (B, T, H) if g_kind == "head" else (B, T, H, D)
+  B, T, H, K, V = dims(shape)
+  g_shape = (B, T, H) if g_kind == "head" else (B, T, H, K)
   rng = np.random.default_rng(0)
-  k = rng.normal(size=(B, T, H, D)).astype(np.float32)
+  k = rng.normal(size=(B, T, H, K)).astype(np.float32)
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
-  args = [jnp.asarray(rng.normal(size=(B, T, H, D)), dtype), jnp.asarray(k, dtype),
-          jnp.asarray(rng.normal(size=(B, T, H, D)), dtype),
+  args = [jnp.asarray(rng.normal(size=(B, T, H, K)), dtype), jnp.asarray(k, dtype),
+          jnp.asarray(rng.normal(size=(B, T, H, V)), dtype),
           jnp.asarray(np.log(rng.uniform(0.9, 1.0, g_shape)), g_dtype or dtype),
           jnp.asarray(rng.uniform(0, 1, (B, T, H)), dtype)]
   return args, rng
