@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdn.bench.peak import format_peak, grouped, live_at_peak, short_op
+from gdn.bench.peak import format_peak, grouped, hlo_bytes, live_at_peak, shape_bytes, short_op
 from gdn.bench.timing import compiled_bytes
 from gdn.ops import checks
 
@@ -117,3 +117,26 @@ if __name__ == "__main__":
   # The cache is back on for what follows: a new program is written to it.
   jax.jit(lambda a: a * 3 + 1).lower(x).compile()
   print(json.dumps(dict(entries=entries, rows=rows, cache_on_after=len(os.listdir(cache)) > entries)))
+
+
+def test_shape_bytes_counts_arrays_and_tuples():
+  assert shape_bytes("f32[64,128]{1,0}") == 64 * 128 * 4 and shape_bytes("bf16[8]{0}") == 16
+  assert shape_bytes("(f32[2,3]{1,0}, /*index=1*/pred[5]{0}, s4[4]{0})") == 24 + 5 + 2
+  assert shape_bytes("f32[]") == 4 and shape_bytes("token[]") == 0 and shape_bytes("f8e4m3fn[10]{0}") == 10
+
+
+def test_hlo_bytes_is_what_each_kernel_reads_and_writes():
+  """A matmul's kernel reads both operands and writes its result; the elementwise kernel after it reads the
+  matmul's float32 result and writes bfloat16: the bytes the compiled module's shapes give, whatever XLA:CPU
+  fuses."""
+  f = jax.jit(lambda a, b: (jnp.tanh(a @ b) * 2 + 1).astype(jnp.bfloat16))
+  hlo = f.lower(jnp.ones((64, 128)), jnp.ones((128, 32))).compile().as_text()
+  sizes = hlo_bytes(hlo)
+  entry = hlo[hlo.index("ENTRY"):]
+  kernels = [line.split("=")[0].strip().removeprefix("ROOT ").lstrip("%") for line in entry.splitlines()
+             if " fusion(" in line or " dot(" in line]
+  assert kernels, entry
+  a, b, out = 64 * 128 * 4, 128 * 32 * 4, 64 * 32
+  expected = {1: [a + b + 2 * out],  # one kernel: both operands in, the bfloat16 result out
+              2: sorted([a + b + 4 * out, 4 * out + 2 * out])}  # the matmul, then the elementwise kernel
+  assert sorted(sizes[k] for k in kernels) == expected[len(kernels)], entry

@@ -43,6 +43,16 @@ def test_jax_kernel_times_names_the_stages():
   assert abs(sum(stages.values()) - prof["total_us"]) < 1e-6 * prof["total_us"] + 1e-9
   table = format_times(prof, top=3, title="t: ")
   assert table.startswith("t: device time per step: ") and "| stage | ms | share |" in table
+  # each traced kernel's traffic from the module's shapes, and its bandwidth at the measured time
+  assert prof["bytes"] and set(prof["bytes"]) <= {r[3] for r in prof["kernels"]}
+  assert "| kernel | launches | ms | share | MB a launch | GB/s | stage |" in table
+  us, n, _, op, _ = next(r for r in prof["kernels"] if r[3] in prof["bytes"])
+  row = next(line for line in table.splitlines() if f"({op})" in line or f"| {op} |" in line)
+  mb, gbs = (float(c) for c in row.split("|")[5:7])
+  assert mb == pytest.approx(prof["bytes"][op] / 1e6, abs=0.051)
+  assert gbs == pytest.approx(prof["bytes"][op] * n / us / 1e3, rel=0.01, abs=0.51)
+  plain = format_times({k: v for k, v in prof.items() if k != "bytes"}, top=3)
+  assert "| kernel | launches | ms | share | stage |" in plain and "GB/s" not in plain
 
 
 def test_torch_kernel_times_counts_the_operators():

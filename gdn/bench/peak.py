@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import glob
+import math
 import os
 import re
 import tempfile
@@ -81,6 +82,53 @@ def hlo_ops(hlo: str) -> dict:
       op = next(iter(comp_names.get(calls[name], [])), "")
     out[name] = (shape, op)
   return out
+
+
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+
+
+def shape_bytes(shape: str) -> int:
+  """Bytes of an HLO shape's text (an array, or a tuple of them: every element counted; tokens and unknown types
+  count nothing; float8 types one byte)."""
+  total = 0.0
+  for dtype, dims in _ARRAY.findall(shape):
+    size = _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else 0)
+    total += size * math.prod(int(d) for d in dims.split(",") if d)
+  return int(total)
+
+
+def _closing(text: str, start: int) -> int:
+  """The index just past the parenthesis that closes the one at text[start]."""
+  depth = 0
+  for i in range(start, len(text)):
+    depth += {"(": 1, ")": -1}.get(text[i], 0)
+    if depth == 0:
+      return i + 1
+  return len(text)
+
+
+def hlo_bytes(hlo: str) -> dict:
+  """instruction name -> bytes it reads and writes, as the optimised module's shapes give them: its result plus each
+  operand's whole result. For a kernel (a fusion, a custom call) this is the traffic of reading every operand once
+  and writing the result once: an estimate, high where a kernel reads only part of an operand (a dynamic slice) or
+  writes in place over one, low where it reads an operand more than once. Names are unique in a module."""
+  result, operands = {}, {}
+  for line in hlo.splitlines():
+    m = re.match(r"^\s*(?:ROOT )?%(\S+) = ", line)
+    if not m:
+      continue
+    rest = line[m.end():]
+    end = _closing(rest, 0) if rest.startswith("(") else rest.find(" ")
+    if end < 0:
+      continue
+    result[m.group(1)] = shape_bytes(rest[:end])
+    call = re.match(r"\s*[\w\-]+\(", rest[end:])
+    if call:
+      start = end + call.end() - 1
+      operands[m.group(1)] = re.findall(r"%([\w.\-]+)", rest[start:_closing(rest, start)])
+  return {name: out + sum(result.get(o, 0) for o in operands.get(name, ())) for name, out in result.items()}
 
 
 def _value_shapes(assignment: str) -> dict:

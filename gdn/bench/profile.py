@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 
-from gdn.bench.peak import hlo_ops, op_parts
+from gdn.bench.peak import hlo_bytes, hlo_ops, op_parts
 
 
 # Name-stack entries that are control flow or JAX's own helpers, not stages.
@@ -127,7 +127,9 @@ def jax_kernel_times(step, steps: int = 5, hlo_text: str | None = None) -> dict:
   """Trace `steps` calls of `step()` (which runs and blocks on one step; call it once before, to compile) and sum
   the device time of each operation. hlo_text: the optimised module's text (`compiled.as_text()`), which names
   each operation's JAX origin. Returns {"steps", "total_us" (per step), "kernels": [(us per step, launches per
-  step, kernel, hlo op, stage)], "stages": [(us per step, stage)]}, largest first."""
+  step, kernel, hlo op, stage)], "stages": [(us per step, stage)]}, largest first; with hlo_text also "bytes":
+  {hlo op: bytes a launch reads and writes, estimated from the module's shapes (`peak.hlo_bytes`)} for the traced
+  kernels' ops, which `format_times` turns into each kernel's bandwidth."""
   import jax
 
   with tempfile.TemporaryDirectory() as tmp:
@@ -157,7 +159,9 @@ def jax_kernel_times(step, steps: int = 5, hlo_text: str | None = None) -> dict:
   stages = collections.defaultdict(float)
   for us, _, _, _, stage in rows:
     stages[stage] += us
-  return dict(steps=steps, total_us=sum(r[0] for r in rows), kernels=rows,
+  sizes = hlo_bytes(hlo_text) if hlo_text else {}
+  traffic = {op: sizes[op] for _, _, _, op, _ in rows if op in sizes}
+  return dict(steps=steps, total_us=sum(r[0] for r in rows), kernels=rows, **({"bytes": traffic} if traffic else {}),
               stages=sorted(((us, s) for s, us in stages.items()), reverse=True),
               source=", ".join(sorted(procs[p] for p in devices)) if devices else "host threads (XLA thunks)",
               command_buffers_off=jax.default_backend() == "gpu"
@@ -260,8 +264,18 @@ def format_times(prof: dict, top: int = 20, title: str = "", per: str = "step") 
     lines += ["| stage | ms | share |", "|---|---:|---:|"]
     lines += [f"| {s} | {us / 1e3:.3f} | {us / total:.1%} |" for us, s in prof["stages"]]
     lines.append("")
-  lines += ["| kernel | launches | ms | share | stage |", "|---|---:|---:|---:|---|"]
+  sizes = prof.get("bytes") or {}
+  if sizes:  # each kernel's traffic as its HLO shapes give it, and the bandwidth that makes at its measured time
+    lines += ["MB a launch: the kernel's operands read once and its result written once, from the module's shapes "
+              "(an estimate); GB/s: that traffic over its time", ""]
+  extra = " MB a launch | GB/s |" if sizes else ""
+  lines += [f"| kernel | launches | ms | share |{extra} stage |",
+            "|---|---:|---:|---:|" + ("---:|---:|" if sizes else "") + "---|"]
   for us, n, name, hlo_op, stage in prof["kernels"][:top]:
     label = name if not hlo_op or hlo_op == name else f"{name} ({hlo_op})"
-    lines.append(f"| {label[:90]} | {n:g} | {us / 1e3:.3f} | {us / total:.1%} | {stage} |")
+    cells = ""
+    if sizes:
+      b = sizes.get(hlo_op)
+      cells = " - | - |" if b is None else f" {b / 1e6:.1f} | {b * n / us / 1e3 if us else 0:.0f} |"
+    lines.append(f"| {label[:90]} | {n:g} | {us / 1e3:.3f} | {us / total:.1%} |{cells} {stage} |")
   return "\n".join(lines)
