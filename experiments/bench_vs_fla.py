@@ -370,8 +370,8 @@ def parse_switch(p, spec):
 
 def table(a, shapes, torch, switch_arg=None) -> list:
   """The table's rows, one per shape (printed as they come), with the switch as the caller set it."""
-  dims = "B, T, H, K, V" if any(len(s) == 5 for s in shapes) else "B, T, H, D"
-  print(f"| {dims} | fla fwd ms | gdn fwd ms | gdn/fla fwd | fla fwd+bwd ms | gdn fwd+bwd ms | gdn/fla fwd+bwd | "
+  columns = "B, T, H, K, V" if any(len(s) == 5 for s in shapes) else "B, T, H, D"
+  print(f"| {columns} | fla fwd ms | gdn fwd ms | gdn/fla fwd | fla fwd+bwd ms | gdn fwd+bwd ms | gdn/fla fwd+bwd | "
         "rel err o | rel err grads | fla do_bench fwd / fwd+bwd ms |")
   print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   # the sides traced here: gdn's only in a profiling child (--profile-json), which runs it alone

@@ -101,24 +101,6 @@ def test_a_program_in_the_persistent_cache_is_compiled_again_for_its_dump(tmp_pa
   assert out["entries"] > 0 and out["rows"] > 0 and out["cache_on_after"], out
 
 
-if __name__ == "__main__":
-  import json
-  import os
-  import sys
-
-  cache = sys.argv[1]
-  jax.config.update("jax_compilation_cache_dir", cache)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  x, w = jnp.ones((64, 32)), jnp.ones((32, 128))
-  lowered = jax.jit(jax.grad(_loss, argnums=(0, 1))).lower(x, w)
-  lowered.compile()  # into the cache
-  entries = len(os.listdir(cache))
-  rows = len(live_at_peak(lowered)["buffers"])
-  # The cache is back on for what follows: a new program is written to it.
-  jax.jit(lambda a: a * 3 + 1).lower(x).compile()
-  print(json.dumps(dict(entries=entries, rows=rows, cache_on_after=len(os.listdir(cache)) > entries)))
-
-
 def test_shape_bytes_counts_arrays_and_tuples():
   assert shape_bytes("f32[64,128]{1,0}") == 64 * 128 * 4 and shape_bytes("bf16[8]{0}") == 16
   assert shape_bytes("(f32[2,3]{1,0}, /*index=1*/pred[5]{0}, s4[4]{0})") == 24 + 5 + 2
@@ -140,3 +122,22 @@ def test_hlo_bytes_is_what_each_kernel_reads_and_writes():
   expected = {1: [a + b + 2 * out],  # one kernel: both operands in, the bfloat16 result out
               2: sorted([a + b + 4 * out, 4 * out + 2 * out])}  # the matmul, then the elementwise kernel
   assert sorted(sizes[k] for k in kernels) == expected[len(kernels)], entry
+
+
+if __name__ == "__main__":
+  import json
+  import os
+  import sys
+
+  cache = sys.argv[1]
+  jax.config.update("jax_compilation_cache_dir", cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  x, w = jnp.ones((64, 32)), jnp.ones((32, 128))
+  lowered = jax.jit(jax.grad(_loss, argnums=(0, 1))).lower(x, w)
+  lowered.compile()  # into the cache
+  entries = len(os.listdir(cache))
+  rows = len(live_at_peak(lowered)["buffers"])
+  # The cache is back on for what follows: a new program is written to it.
+  jax.jit(lambda a: a * 3 + 1).lower(x).compile()
+  print(json.dumps(dict(entries=entries, rows=rows, cache_on_after=len(os.listdir(cache)) > entries)))
+
